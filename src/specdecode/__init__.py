@@ -1,0 +1,3 @@
+"""specdecode: lossless, measured speculative decoding."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Drafters: cheap proposers of the next tokens, verified by the target."""

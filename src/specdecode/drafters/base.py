@@ -1,0 +1,42 @@
+"""The Drafter protocol and the Draft it returns.
+
+A drafter is per request: it is made for one request (sharing any heavy weights with others),
+told the committed context after every step, and asked for k proposed tokens. Drafters that
+sample report the distributions q they sampled from, computed by `specdecode.sampling` with the
+same parameters as the target's p; drafters without a distribution (n-gram lookup) return q=None
+and are verified as if q were one-hot on their token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdecode.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # (k,) int64 proposed token ids
+    q: torch.Tensor | None  # (k, V) float32 draft distributions, or None (deterministic draft)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(
+        self,
+        context: torch.Tensor,  # (L,) int64: prompt + every committed token so far
+        k: int,
+        params: SamplingParams,
+        prompt_len: int,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        """Propose up to k tokens following `context` (fewer, even zero, is allowed)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the request: free caches, clear state."""
+        ...
