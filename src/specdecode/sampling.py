@@ -1,12 +1,16 @@
 """The one sampling pipeline: the single place where the target's p and the draft's q are computed.
 
-(Functions below SamplingParams are being written; see the module docstring of each.)
+Speculative decoding is lossless only if the target's p and the drafter's q come out of the SAME
+processing (DESIGN.md): both call `probs_from_logits` here, and sample with `sample`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+
+import torch
 
 from specdecode.errors import SpecDecodeError
 
@@ -60,3 +64,212 @@ class SamplingParams:
                 )
             if not math.isfinite(bias):
                 raise SpecDecodeError(f"logit_bias for token {token} must be finite, got {bias}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits processing. Order (fixed; p and q both go through exactly this code):
+#   1. logit_bias                     (added to the raw logits)
+#   2. repetition penalty             (HF: logit > 0 -> logit / r, else logit * r; every history
+#                                      token, prompt included)
+#   3. presence / frequency penalties (OpenAI: logit -= presence * [count > 0] + frequency * count,
+#                                      counts over OUTPUT tokens only: history[prompt_len:])
+#   -- greedy stops here: the argmax of these logits is the token --
+#   4. temperature                    (logit / temperature)
+#   5. top-k                          (keep logits >= the k-th largest; ties at the edge kept)
+#   6. top-p                          (nucleus over the top-k-filtered distribution)
+#   7. min-p                          (drop prob < min_p * max prob)
+# Masked entries are -inf. Row t of a (T, V) block is scored with history context ++ extra[:t].
+# ---------------------------------------------------------------------------------------------
+
+_TOP_P_FIRST_K = 64  # top-p first looks at this many candidates per row, then 8x more, then all
+
+
+def process_logits(
+    logits: torch.Tensor,  # (T, V) float
+    params: SamplingParams,
+    context: torch.Tensor,  # (L,) int64: prompt + committed output
+    prompt_len: int,
+    extra: torch.Tensor,  # (n,) int64, n >= T - 1: draft tokens scored after context
+) -> torch.Tensor:
+    """Return the processed float32 logits (T, V) of `logits`, in the order listed above.
+
+    Row t is the distribution of the token that follows ``context ++ extra[:t]``; that history is
+    what the penalties count. `prompt_len` splits context into prompt and output (presence and
+    frequency penalties count output tokens only; the repetition penalty counts both). For greedy
+    params (temperature 0) steps 4-7 are skipped: they cannot move the argmax. Features that are
+    off cost nothing; the all-off case is one float32 copy (plus a division when sampling).
+    The input tensor is never modified.
+    """
+    _check_shapes(logits, context, prompt_len, extra)
+    x = logits.to(dtype=torch.float32, copy=True)  # (T, V)
+    if params.logit_bias:
+        _apply_logit_bias(x, params.logit_bias)
+    num_rows = x.shape[0]
+    if params.repetition_penalty != 1.0:
+        _apply_repetition_penalty(x, context, extra[: num_rows - 1], params.repetition_penalty)
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        _apply_presence_frequency(
+            x,
+            context[prompt_len:],
+            extra[: num_rows - 1],
+            params.presence_penalty,
+            params.frequency_penalty,
+        )
+    if params.greedy:
+        return x
+    x.div_(params.temperature)
+    if 0 < params.top_k < x.shape[-1]:
+        _apply_top_k(x, params.top_k)
+    if params.top_p < 1.0:
+        _apply_top_p(x, params.top_p)
+    if params.min_p > 0.0:
+        _apply_min_p(x, params.min_p)
+    return x
+
+
+def probs_from_logits(
+    logits: torch.Tensor,  # (T, V) float
+    params: SamplingParams,
+    context: torch.Tensor,  # (L,) int64
+    prompt_len: int,
+    extra: torch.Tensor,  # (n,) int64, n >= T - 1
+) -> torch.Tensor:
+    """Return the (T, V) float32 sampling distributions: p for the target, q for a drafter.
+
+    Sampling params: softmax of `process_logits`. Greedy params: one-hot rows at the argmax of the
+    bias- and penalty-processed logits (ties go to the lowest token id, as torch.argmax does).
+    """
+    x = process_logits(logits, params, context, prompt_len, extra)  # (T, V)
+    if params.greedy:
+        return _one_hot_rows(x.argmax(dim=-1), x.shape[-1])
+    return torch.softmax(x, dim=-1)
+
+
+def greedy_tokens(
+    logits: torch.Tensor,  # (T, V) float
+    params: SamplingParams,
+    context: torch.Tensor,  # (L,) int64
+    prompt_len: int,
+    extra: torch.Tensor,  # (n,) int64, n >= T - 1
+) -> torch.Tensor:
+    """Return the (T,) int64 argmax of the bias- and penalty-processed logits (lowest id on ties).
+
+    The same token `probs_from_logits` puts its one-hot mass on for greedy params; temperature and
+    filters in `params` are ignored (greedy decoding is the argmax whatever they are).
+    """
+    greedy = dataclasses.replace(params, temperature=0.0)
+    return process_logits(logits, greedy, context, prompt_len, extra).argmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of `probs` ((T, V) -> (T,), or (V,) -> scalar), int64.
+
+    Rows need not be normalised but must be non-negative with positive sum. All randomness comes
+    from `generator` (None: torch's global generator). One-hot rows return their token.
+    """
+    if probs.dim() == 1:
+        return torch.multinomial(probs, 1, generator=generator)[0]
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (T,)
+
+
+def _check_shapes(
+    logits: torch.Tensor, context: torch.Tensor, prompt_len: int, extra: torch.Tensor
+) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (T, V), got shape {tuple(logits.shape)}")
+    if context.dim() != 1 or extra.dim() != 1:
+        raise ValueError("context and extra must be 1-D token id tensors")
+    if extra.numel() < logits.shape[0] - 1:
+        raise ValueError(f"extra has {extra.numel()} tokens; {logits.shape[0]} rows need >= T-1")
+    if not (0 <= prompt_len <= context.numel()):
+        raise ValueError(f"prompt_len {prompt_len} outside 0..{context.numel()}")
+
+
+def _one_hot_rows(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    out = torch.zeros(tokens.shape[0], vocab_size, dtype=torch.float32)  # (T, V)
+    out[torch.arange(tokens.shape[0]), tokens] = 1.0
+    return out
+
+
+def _apply_logit_bias(x: torch.Tensor, logit_bias: tuple[tuple[int, float], ...]) -> None:
+    """Add each (token, bias) to column `token` of every row, in place (repeated ids add up)."""
+    ids = torch.tensor([token for token, _ in logit_bias], dtype=torch.int64)  # (B,)
+    bias = torch.tensor([value for _, value in logit_bias], dtype=torch.float32)  # (B,)
+    x.index_add_(1, ids, bias.expand(x.shape[0], -1))
+
+
+def _history_counts(
+    base: torch.Tensor,  # (L,) int64: tokens in every row's history
+    extra: torch.Tensor,  # (T-1,) int64: extra[s] is in the history of rows t > s
+    num_rows: int,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (cols, counts): the U distinct ids in any row's history, sorted, (U,) int64, and
+    counts[t, j] = occurrences of cols[j] in ``base ++ extra[:t]``, (T, U) float32."""
+    seen = torch.cat([base, extra])  # (L + T - 1,)
+    cols, inverse = torch.unique(seen, return_inverse=True)  # (U,), (L + T - 1,)
+    if cols.numel() and (cols[0] < 0 or cols[-1] >= vocab_size):
+        raise ValueError(f"history token ids must be in 0..{vocab_size - 1}")
+    n_base = base.numel()
+    counts = torch.bincount(inverse[:n_base], minlength=cols.numel()).to(torch.float32)  # (U,)
+    counts = counts.expand(num_rows, -1).clone()  # (T, U)
+    if num_rows > 1:
+        rows, src = torch.tril_indices(num_rows, num_rows - 1, offset=-1)  # pairs s < t
+        ones = torch.ones(rows.numel(), dtype=torch.float32)
+        counts.index_put_((rows, inverse[n_base + src]), ones, accumulate=True)
+    return cols, counts
+
+
+def _apply_repetition_penalty(
+    x: torch.Tensor, context: torch.Tensor, extra: torch.Tensor, penalty: float
+) -> None:
+    """HF convention, in place: for every token in the row's history (prompt included), a
+    positive logit is divided by `penalty` and a negative one multiplied by it."""
+    cols, counts = _history_counts(context, extra, x.shape[0], x.shape[-1])  # (U,), (T, U)
+    sub = x[:, cols]  # (T, U)
+    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+    x[:, cols] = torch.where(counts > 0, penalised, sub)
+
+
+def _apply_presence_frequency(
+    x: torch.Tensor, output: torch.Tensor, extra: torch.Tensor, presence: float, frequency: float
+) -> None:
+    """OpenAI convention, in place: logit -= presence * [count > 0] + frequency * count, where
+    count is the token's number of occurrences among the row's OUTPUT tokens."""
+    cols, counts = _history_counts(output, extra, x.shape[0], x.shape[-1])  # (U,), (T, U)
+    x[:, cols] -= frequency * counts + presence * (counts > 0).to(torch.float32)
+
+
+def _apply_top_k(x: torch.Tensor, top_k: int) -> None:
+    """Mask (in place) logits below each row's k-th largest; ties with the k-th are kept."""
+    kth = torch.topk(x, top_k, dim=-1).values[:, -1:]  # (T, 1)
+    x.masked_fill_(x < kth, -math.inf)
+
+
+def _apply_top_p(x: torch.Tensor, top_p: float) -> None:
+    """Nucleus filter, in place: keep the smallest set of most likely tokens whose probability
+    sums to >= top_p (always at least the top token); tokens tied with the least likely kept
+    token are kept too, so the result does not depend on sort order.
+
+    Looks at the top 64 candidates first (8x more, then all, only while some row's nucleus is not
+    inside them): a full sort of a 49k vocabulary is tens of times slower."""
+    probs = torch.softmax(x, dim=-1)  # (T, V)
+    vocab_size = x.shape[-1]
+    k = min(_TOP_P_FIRST_K, vocab_size)
+    while True:
+        top = torch.topk(probs, k, dim=-1).values  # (T, k) descending
+        cum = top.to(torch.float64).cumsum(dim=-1)  # (T, k)
+        if k == vocab_size or bool((cum[:, -1] >= top_p).all()):
+            break
+        k = min(8 * k, vocab_size)
+    mass_before = cum - top.to(torch.float64)  # (T, k): mass of the strictly more likely ones
+    n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)  # (T, 1)
+    threshold = top.gather(-1, n_keep - 1)  # (T, 1)
+    x.masked_fill_(probs < threshold, -math.inf)
+
+
+def _apply_min_p(x: torch.Tensor, min_p: float) -> None:
+    """Mask (in place) tokens with prob < min_p * max prob, compared in log space:
+    x - max(x) < log(min_p), which is the same condition on the softmax."""
+    top = x.max(dim=-1, keepdim=True).values  # (T, 1)
+    x.masked_fill_(x < top + math.log(min_p), -math.inf)

@@ -1,0 +1,59 @@
+"""Describe the machine measurements ran on (stated on every report)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+from specdecode.bench.records import HardwareInfo
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU model name from /proc/cpuinfo, else `platform.processor()`, else "unknown"."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "Hardware", "cpu model") and value.strip():
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask), falling back to os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def torch_threads_if_loaded() -> int | None:
+    """torch's intra-op thread count when torch is already imported (never imports it)."""
+    torch = sys.modules.get("torch")
+    get = getattr(torch, "get_num_threads", None)
+    return int(get()) if callable(get) else None
+
+
+def detect_hardware(
+    torch_threads: int | None = None, accelerator: str | None = None
+) -> HardwareInfo:
+    """This machine's description; `torch_threads` defaults to torch's setting if loaded."""
+    return HardwareInfo(
+        cpu_model=cpu_model(),
+        cpu_cores=usable_cores(),
+        torch_threads=torch_threads if torch_threads is not None else torch_threads_if_loaded(),
+        accelerator=accelerator,
+        platform=platform.platform(),
+        python=platform.python_version(),
+    )
+
+
+def describe_hardware(hw: HardwareInfo) -> str:
+    """One line for reports: CPU model, cores, torch threads, accelerator."""
+    threads = f", {hw.torch_threads} torch threads" if hw.torch_threads is not None else ""
+    accel = f", {hw.accelerator}" if hw.accelerator else ", no accelerator"
+    return f"{hw.cpu_model} ({hw.cpu_cores} cores{threads}){accel}"

@@ -1,0 +1,278 @@
+"""Workloads: the prompts a benchmark runs, from JSONL files or the built-in default set.
+
+Two line formats, detected per line:
+
+- Spec-Bench: `{"question_id": int | str, "category": str, "turns": [str, ...]}` (other keys,
+  such as "reference", are ignored). Several turns make a multi-turn conversation: the runner
+  generates the assistant's reply between consecutive user turns.
+- plain: `{"prompt": str | [str, ...], "category"?: str, "id"?: str, "max_tokens"?: int,
+  "temperature"?: float}`; without "id" a prompt is named `<file stem>-<line number>`.
+
+Both formats accept optional "max_tokens" and "temperature". Blank lines are ignored. A malformed
+line is reported as `path:line: reason` and skipped, or refused in strict mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from specdecode.errors import SpecDecodeError
+
+DEFAULT_CATEGORY = "uncategorized"
+
+
+class MalformedLine(ValueError):
+    """A workload line that cannot be read as a prompt (the message says why)."""
+
+
+@dataclass
+class Prompt:
+    """One prompt: a single user turn, or the user turns of a conversation.
+
+    `max_tokens` / `temperature` None mean the runner's default and greedy decoding (unless the
+    configuration overrides the temperature). `source` is where it was read: `path:line`.
+    """
+
+    id: str
+    category: str
+    turns: list[str]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Workload:
+    """Prompts selected from one file, the lines skipped in it and the filters applied."""
+
+    name: str
+    path: str
+    prompts: list[Prompt]
+    skipped: list[str] = field(default_factory=list)
+    categories: list[str] | None = None
+    limit_per_category: int | None = None
+
+    @property
+    def known_categories(self) -> list[str]:
+        """Categories present in the selected prompts, sorted."""
+        return sorted({p.category for p in self.prompts})
+
+
+def _opt_int(obj: dict[str, Any], key: str) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MalformedLine(f'"{key}" must be an integer >= 1, got {value!r}')
+    return value
+
+
+def _opt_temperature(obj: dict[str, Any]) -> float | None:
+    value = obj.get("temperature")
+    if value is None:
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0:
+        raise MalformedLine(f'"temperature" must be a number >= 0, got {value!r}')
+    return float(value)
+
+
+def _text_list(value: object, key: str) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise MalformedLine(f'"{key}" must be a non-empty string or list of strings')
+    if not all(isinstance(t, str) and t.strip() for t in value):
+        raise MalformedLine(f'every entry of "{key}" must be a non-empty string')
+    return list(value)
+
+
+def _category(obj: dict[str, Any], required: bool) -> str:
+    value = obj.get("category")
+    if value is None and not required:
+        return DEFAULT_CATEGORY
+    if not isinstance(value, str) or not value.strip():
+        raise MalformedLine(f'"category" must be a non-empty string, got {value!r}')
+    return value
+
+
+def parse_prompt(obj: object, default_id: str, source: str) -> Prompt:
+    """Read one decoded JSON line as a Prompt, detecting its format; raise MalformedLine."""
+    if not isinstance(obj, dict):
+        raise MalformedLine(f"expected a JSON object, got {type(obj).__name__}")
+    is_specbench, is_plain = "turns" in obj, "prompt" in obj
+    if is_specbench == is_plain:
+        raise MalformedLine('expected exactly one of "turns" (Spec-Bench) or "prompt" (plain)')
+    id_key, text_key = ("question_id", "turns") if is_specbench else ("id", "prompt")
+    raw_id = obj.get(id_key, None if is_specbench else default_id)
+    if isinstance(raw_id, bool) or not isinstance(raw_id, int | str) or str(raw_id) == "":
+        raise MalformedLine(f'"{id_key}" must be an integer or a non-empty string')
+    return Prompt(
+        id=str(raw_id),
+        category=_category(obj, required=is_specbench),
+        turns=_text_list(obj[text_key], text_key),
+        max_tokens=_opt_int(obj, "max_tokens"),
+        temperature=_opt_temperature(obj),
+        source=source,
+    )
+
+
+def _parse_line(raw: bytes, path: Path, lineno: int, seen: set[str]) -> Prompt:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise MalformedLine("not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise MalformedLine(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    prompt = parse_prompt(obj, f"{path.stem}-{lineno}", f"{path}:{lineno}")
+    if prompt.id in seen:
+        raise MalformedLine(f"duplicate prompt id {prompt.id!r}")
+    return prompt
+
+
+def read_prompts(path: str | Path, strict: bool = False) -> tuple[list[Prompt], list[str]]:
+    """Read every prompt of a JSONL file: (prompts, one `path:line: reason` per skipped line).
+
+    In strict mode the first malformed line raises SpecDecodeError instead.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SpecDecodeError(f"cannot read workload {path}: {exc.strerror or exc}") from None
+    prompts: list[Prompt] = []
+    skipped: list[str] = []
+    seen: set[str] = set()
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            prompt = _parse_line(raw, path, lineno, seen)
+        except MalformedLine as exc:
+            message = f"{path}:{lineno}: {exc}"
+            if strict:
+                raise SpecDecodeError(f"malformed workload line: {message}") from None
+            skipped.append(message)
+            continue
+        seen.add(prompt.id)
+        prompts.append(prompt)
+    return prompts, skipped
+
+
+def filter_prompts(
+    prompts: Sequence[Prompt],
+    categories: Sequence[str] | None = None,
+    limit_per_category: int | None = None,
+) -> list[Prompt]:
+    """Keep the given categories (all when None) and the first N prompts of each, in order.
+
+    An unknown category raises SpecDecodeError naming it and listing the known ones.
+    """
+    known = sorted({p.category for p in prompts})
+    if categories is not None:
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise SpecDecodeError(
+                f"unknown categor{'y' if len(unknown) == 1 else 'ies'} "
+                f"{', '.join(repr(c) for c in unknown)}; known categories: {', '.join(known)}"
+            )
+    if limit_per_category is not None and limit_per_category < 1:
+        raise SpecDecodeError(f"limit per category must be >= 1, got {limit_per_category}")
+    wanted = set(categories) if categories is not None else set(known)
+    counts: dict[str, int] = {}
+    kept: list[Prompt] = []
+    for prompt in prompts:
+        n = counts.get(prompt.category, 0)
+        if prompt.category in wanted and (limit_per_category is None or n < limit_per_category):
+            counts[prompt.category] = n + 1
+            kept.append(prompt)
+    return kept
+
+
+def load_workload(
+    path: str | Path,
+    *,
+    categories: Sequence[str] | None = None,
+    limit_per_category: int | None = None,
+    strict: bool = False,
+    name: str | None = None,
+) -> Workload:
+    """Read a workload file and apply the filters; an empty result raises SpecDecodeError."""
+    path = Path(path)
+    prompts, skipped = read_prompts(path, strict=strict)
+    if not prompts:
+        reason = f" ({len(skipped)} malformed lines skipped)" if skipped else ""
+        raise SpecDecodeError(f"workload {path} holds no prompts{reason}")
+    selected = filter_prompts(prompts, categories, limit_per_category)
+    return Workload(
+        name=name or path.stem,
+        path=str(path),
+        prompts=selected,
+        skipped=skipped,
+        categories=list(categories) if categories is not None else None,
+        limit_per_category=limit_per_category,
+    )
+
+
+def default_workload_path() -> Path:
+    """The built-in default workload shipped with the package."""
+    return Path(str(resources.files("specdecode") / "data" / "default_workload.jsonl"))
+
+
+def load_default_workload(
+    categories: Sequence[str] | None = None, limit_per_category: int | None = None
+) -> Workload:
+    """The built-in default workload (24 prompts, 6 categories), filtered."""
+    return load_workload(
+        default_workload_path(),
+        categories=categories,
+        limit_per_category=limit_per_category,
+        strict=True,
+        name="default",
+    )
+
+
+def workload_fingerprint(prompts: Sequence[Prompt]) -> str:
+    """sha256 of the selected prompts' content (ids, categories, turns, limits), not of paths."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        item = [p.id, p.category, p.turns, p.max_tokens, p.temperature]
+        digest.update(json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n")
+    return digest.hexdigest()
+
+
+def describe_workload(workload: Workload) -> dict[str, Any]:
+    """The workload as stored in a run header: name, fingerprint, counts, filters and prompts."""
+    per_category: dict[str, int] = {}
+    for p in workload.prompts:
+        per_category[p.category] = per_category.get(p.category, 0) + 1
+    return {
+        "name": workload.name,
+        "path": workload.path,
+        "fingerprint": workload_fingerprint(workload.prompts),
+        "n_prompts": len(workload.prompts),
+        "n_turns": sum(len(p.turns) for p in workload.prompts),
+        "per_category": per_category,
+        "categories": workload.categories,
+        "limit_per_category": workload.limit_per_category,
+        "n_skipped_lines": len(workload.skipped),
+        "prompts": [p.to_dict() for p in workload.prompts],
+    }
+
+
+def prompts_from_description(description: dict[str, Any]) -> list[Prompt]:
+    """The prompts stored by `describe_workload` (e.g. in a report's header)."""
+    out: list[Prompt] = []
+    for item in description.get("prompts", []):
+        out.append(Prompt(**{k: item[k] for k in Prompt.__dataclass_fields__ if k in item}))
+    return out

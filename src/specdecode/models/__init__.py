@@ -1,0 +1,1 @@
+"""Model families, checkpoint loading and the speculation-ready KV cache."""

@@ -1,0 +1,69 @@
+"""A KV cache made for speculation.
+
+Preallocated once per request batch: keys and values for every layer live in two tensors of shape
+(layers, batch, kv_heads, capacity, head_dim). Each row has its own length. A forward pass writes
+its new positions at [length, length + T) of each row and moves the length on; rolling back a
+rejected draft is moving the length back (the stale slots are overwritten by the next write), and
+accepting a path of a token tree is one compaction copy (`keep`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.lengths = [0] * batch
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def check_room(self, new_tokens: int, rows: list[int] | None = None) -> None:
+        """Raise a clear error if writing `new_tokens` positions would overflow any row."""
+        for b in rows if rows is not None else range(self.batch):
+            if self.lengths[b] + new_tokens > self.capacity:
+                raise SpecDecodeError(
+                    f"context overflow: row {b} holds {self.lengths[b]} tokens, adding "
+                    f"{new_tokens} exceeds the cache capacity of {self.capacity} tokens"
+                )
+
+    def rollback(self, row: int, length: int) -> None:
+        """Forget everything after `length` in `row` (no copy)."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"rollback to {length} but row {row} holds {self.lengths[row]}")
+        self.lengths[row] = length
+
+    def keep(self, row: int, start: int, indices: torch.Tensor) -> None:
+        """Keep positions start + indices (ascending) of `row`, compacted to start..; drop the rest.
+
+        Used after scoring a token tree: the accepted path's entries move to contiguous slots.
+        """
+        src = start + indices.to(torch.long)  # (n,)
+        n = int(indices.numel())
+        dst = slice(start, start + n)
+        self.k[:, row, :, dst] = self.k[:, row, :, src]
+        self.v[:, row, :, dst] = self.v[:, row, :, src]
+        self.lengths[row] = start + n
+
+    def reset_row(self, row: int) -> None:
+        self.lengths[row] = 0
