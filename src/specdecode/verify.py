@@ -80,24 +80,27 @@ def verify_chain(
     """
     k = draft_tokens.numel()
     _check_chain_shapes(p, q, k)
+    draft = draft_tokens.tolist()
     positions = torch.arange(k)
-    p_x = p[positions, draft_tokens].to(torch.float64)  # (k,)
-    if q is None:
-        q_x = torch.ones(k, dtype=torch.float64)  # (k,) one-hot q
-    else:
-        q_x = q[positions, draft_tokens].to(torch.float64)  # (k,)
-    one_hot = q_x <= 0  # (k,) positions verified with the one-hot rule
-    q_x = torch.where(one_hot, torch.ones_like(q_x), q_x)
-    u = torch.rand(k, generator=generator, dtype=torch.float64)  # (k,)
-    num_accepted = _accepted_prefix(u * q_x < p_x)  # u < p/q without dividing
+    p_x = p[positions, draft_tokens].tolist()  # (k,) p_i(x_i)
+    q_x = [1.0] * k if q is None else q[positions, draft_tokens].tolist()  # (k,) q_i(x_i)
+    u = torch.rand(k, generator=generator, dtype=torch.float64).tolist()  # (k,)
+    # 1. accept while u_i < p_i(x_i) / q_i(x_i), compared as u_i * q_i(x_i) < p_i(x_i);
+    #    q_i(x_i) <= 0 means the one-hot rule: accept with probability p_i(x_i)
+    num_accepted = 0
+    while num_accepted < k:
+        i = num_accepted
+        if not u[i] * (q_x[i] if q_x[i] > 0 else 1.0) < p_x[i]:
+            break
+        num_accepted += 1
+    # 2. one more token: bonus from p_k, or recovered from the residual at the first rejection
     if num_accepted == k:
-        next_token = sample(p[k], generator)  # bonus
+        next_token = int(sample(p[k], generator))
     else:
         i = num_accepted
-        x_i = int(draft_tokens[i])
-        q_i = None if q is None or bool(one_hot[i]) else q[i]
-        next_token = sample(_residual(p[i], q_i, x_i), generator)  # recovered
-    tokens = torch.cat([draft_tokens[:num_accepted].to(torch.int64), next_token.view(1)])
+        q_i = q[i] if q is not None and q_x[i] > 0 else None
+        next_token = int(sample(_residual(p[i], q_i, draft[i]), generator))
+    tokens = torch.tensor([*draft[:num_accepted], next_token], dtype=torch.int64)
     return VerifyResult(num_accepted, tokens)
 
 

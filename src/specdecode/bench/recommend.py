@@ -1,0 +1,186 @@
+"""The recommendation: enable speculation or not, with which drafter and k, up to which batch size.
+
+Rule: a configuration is "on" at a batch size only where the lower bound of its measured
+speedup's confidence interval (total ratio, see `stats`) is above 1 AND its losslessness audit
+passed (a configuration without any verdict is not recommended). Among configurations that are
+on at their smallest measured batch size, the one with the highest measured speedup there wins;
+it stays on up to the last batch size before the first one where it is not on.
+
+The equivalent vLLM setting is given as a `--speculative-config` JSON string. Key names follow
+vLLM's documentation of `SpeculativeConfig` ("method", "model", "num_speculative_tokens",
+"prompt_lookup_max", "prompt_lookup_min"). Not verified against every vLLM release: recent
+releases name a separate draft model "method": "draft_model" while older ones inferred it from
+"model" alone, and whether Medusa / a batch-size cut-off are honoured depends on the version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from specdecode.bench.records import ConfigSpec
+from specdecode.bench.stats import Analysis, ConfigSummary, jsonable
+
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
+DRAFT_MODEL_NAMES = ("draft_model", "draft", "model")
+
+
+@dataclass
+class Recommendation:
+    """What to deploy, and the measured evidence for it."""
+
+    enable: bool
+    config: str | None = None
+    drafter: str | None = None
+    k: int | None = None
+    batch_sizes_on: list[int] = field(default_factory=list)
+    turn_off_above: int | None = None  # keep it on up to this batch size; None: no measured cap
+    vllm_config: dict[str, Any] | None = None
+    evidence: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def vllm_json(self) -> str | None:
+        """The `--speculative-config` argument for vLLM, or None."""
+        return json.dumps(self.vllm_config) if self.vllm_config is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["vllm_json"] = self.vllm_json
+        return dict(jsonable(data))
+
+    def render(self) -> str:
+        """The recommendation as plain text (headline, evidence, notes, vLLM setting)."""
+        if self.enable:
+            cap = (f"; turn it off above batch size {self.turn_off_above}"
+                   if self.turn_off_above is not None else
+                   f"; it wins at every measured batch size ({_sizes(self.batch_sizes_on)})")
+            head = (f"Enable speculative decoding: {self.config} (drafter {self.drafter}, "
+                    f"k={self.k}) at batch sizes {_sizes(self.batch_sizes_on)}{cap}.")
+        else:
+            head = "Do not enable speculative decoding: no configuration showed a speedup " \
+                   "whose confidence interval lies above 1 with a passing losslessness audit."
+        lines = [head, *(f"- {e}" for e in self.evidence), *(f"Note: {n}" for n in self.notes)]
+        if self.vllm_json is not None:
+            lines.append(f"vLLM: --speculative-config '{self.vllm_json}'")
+        return "\n".join(lines)
+
+
+def _sizes(sizes: list[int]) -> str:
+    return ", ".join(str(b) for b in sizes)
+
+
+def _fmt_ci(s: ConfigSummary) -> str:
+    if s.speedup is None:
+        return "no plain baseline measured"
+    t, m = s.speedup.total_ratio, s.speedup.median_ratio
+    return (f"speedup {t.estimate:.2f}x (95% CI {t.low:.2f}-{t.high:.2f}, {s.speedup.n_pairs} "
+            f"paired requests; median ratio {m.estimate:.2f}x)")
+
+
+def _audit_text(analysis: Analysis, s: ConfigSummary) -> str:
+    passed = analysis.audit_passed(s.spec.name, s.spec.batch_size)
+    return {True: "audit passed", False: "audit FAILED", None: "no audit verdict"}[passed]
+
+
+def evidence_line(analysis: Analysis, s: ConfigSummary) -> str:
+    """One line of numbers for a configuration at one batch size."""
+    a = s.acceptance
+    return (f"{s.spec.name} at batch size {s.spec.batch_size}: {_fmt_ci(s)}, alpha "
+            f"{a.alpha:.2f}, accepted/drafted {a.rate:.2f}, mean acceptance length "
+            f"{a.mean_acceptance_length:.2f}, {s.throughput_tok_s:.1f} tok/s; "
+            f"{_audit_text(analysis, s)}")
+
+
+def is_on(analysis: Analysis, s: ConfigSummary) -> bool:
+    """Speedup CI lower bound > 1 and the audit passed."""
+    if s.speedup is None or not math.isfinite(s.speedup.total_ratio.low):
+        return False
+    audit = analysis.audit_passed(s.spec.name, s.spec.batch_size)
+    return s.speedup.total_ratio.low > 1.0 and audit is True
+
+
+def _by_name(analysis: Analysis) -> dict[str, list[ConfigSummary]]:
+    out: dict[str, list[ConfigSummary]] = {}
+    for s in analysis.configs:
+        if not s.spec.is_plain:
+            out.setdefault(s.spec.name, []).append(s)
+    for runs in out.values():
+        runs.sort(key=lambda s: s.spec.batch_size)
+    return out
+
+
+def _on_prefix(analysis: Analysis, runs: list[ConfigSummary]) -> list[ConfigSummary]:
+    prefix: list[ConfigSummary] = []
+    for s in runs:
+        if not is_on(analysis, s):
+            break
+        prefix.append(s)
+    return prefix
+
+
+def vllm_speculative_config(spec: ConfigSpec, k: int) -> tuple[dict[str, Any] | None, str]:
+    """vLLM's speculative_config for a configuration, and a note (why None, or caveats)."""
+    opts = spec.options
+    if spec.drafter == "ngram":
+        cfg: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k}
+        for ours, theirs in (("ngram_max", "prompt_lookup_max"), ("ngram_min",
+                                                                   "prompt_lookup_min")):
+            if ours in opts:
+                cfg[theirs] = int(opts[ours])
+        note = "" if "prompt_lookup_max" in cfg else (
+            "set prompt_lookup_max / prompt_lookup_min to the n-gram sizes the drafter used")
+        return cfg, note
+    if spec.drafter in DRAFT_MODEL_NAMES:
+        model = str(opts.get("model", "<path to the draft model>"))
+        return ({"method": "draft_model", "model": model, "num_speculative_tokens": k},
+                'older vLLM releases infer a draft model from "model" alone: drop "method" '
+                "if yours rejects it")
+    if spec.drafter in HEAD_METHODS:
+        model = str(opts.get("model", f"<path to the {spec.drafter} checkpoint>"))
+        return ({"method": spec.drafter, "model": model, "num_speculative_tokens": k},
+                "check that your vLLM release supports this method for your target")
+    return None, f"vLLM has no equivalent of the {spec.drafter!r} drafter"
+
+
+def _deploy_k(s: ConfigSummary) -> tuple[int, str]:
+    if isinstance(s.spec.k, int):
+        return s.spec.k, ""
+    k = max(1, round(s.k_effective)) if math.isfinite(s.k_effective) else 1
+    return k, (f'k was "auto" (mean {s.k_effective:.2f} drafted per step); vLLM needs a fixed '
+               f"num_speculative_tokens, so {k} is suggested")
+
+
+def recommend(analysis: Analysis) -> Recommendation:
+    """The deployment recommendation from an Analysis (see the module docstring)."""
+    candidates: list[tuple[float, list[ConfigSummary], list[ConfigSummary]]] = []
+    for runs in _by_name(analysis).values():
+        prefix = _on_prefix(analysis, runs)
+        if prefix and prefix[0].speedup is not None:
+            candidates.append((prefix[0].speedup.total_ratio.estimate, prefix, runs))
+    if not candidates:
+        evidence = [evidence_line(analysis, runs[0]) for runs in _by_name(analysis).values()]
+        return Recommendation(enable=False, evidence=evidence)
+    _, prefix, runs = max(candidates, key=lambda c: (c[0], len(c[1])))
+    best = prefix[0]
+    k, k_note = _deploy_k(best)
+    vllm, vllm_note = vllm_speculative_config(best.spec, k)
+    off = runs[len(prefix)] if len(prefix) < len(runs) else None
+    evidence = [evidence_line(analysis, s) for s in runs]
+    notes = [n for n in (k_note, vllm_note) if n]
+    if off is not None:
+        notes.append(f"at batch size {off.spec.batch_size} it is not a demonstrated win "
+                     f"({_fmt_ci(off)}; {_audit_text(analysis, off)}); larger batch sizes "
+                     "leave less idle compute for verification")
+        notes.append(f"to stop speculating above batch size {prefix[-1].spec.batch_size} in "
+                     f'vLLM, releases that support it take "disable_by_batch_size": '
+                     f"{prefix[-1].spec.batch_size} in the same JSON (a V0-engine option; "
+                     "check your release before relying on it)")
+    return Recommendation(
+        enable=True, config=best.spec.name, drafter=best.spec.drafter, k=k,
+        batch_sizes_on=[s.spec.batch_size for s in prefix],
+        turn_off_above=prefix[-1].spec.batch_size if off is not None else None,
+        vllm_config=vllm, evidence=evidence, notes=notes,
+    )

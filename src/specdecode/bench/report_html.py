@@ -1,0 +1,241 @@
+"""The self-contained HTML report: inline CSS and SVG, no scripts, no external resources.
+
+The page is rendered by jinja2 with autoescaping on, so every user-provided string (prompts,
+category and config names, model names) is HTML-escaped; the SVG figures escape their own
+labels (see `svg`) and are the only markup inserted unescaped.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+from specdecode.bench import svg
+from specdecode.bench.hardware import describe_hardware
+from specdecode.bench.recommend import Recommendation
+from specdecode.bench.stats import Analysis, ConfigSummary, Interval, ecdf, histogram
+from specdecode.bench.store import atomic_write_text
+from specdecode.bench.workloads import prompts_from_description
+
+TEMPLATE = "report_template.html.j2"
+DASH = "–"
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return DASH if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def _ci(iv: Interval | None) -> str:
+    if iv is None or not math.isfinite(iv.estimate):
+        return DASH
+    return f"{iv.estimate:.2f}x [{_num(iv.low)}, {_num(iv.high)}]"
+
+
+def _pair(a: float, b: float, scale: float, digits: int) -> str:
+    return f"{_num(a * scale, digits)} / {_num(b * scale, digits)}"
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes in binary units (MiB, GiB), or a dash for 0."""
+    if n <= 0:
+        return DASH
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{size:.1f} {unit}"
+
+
+def _audit_cell(analysis: Analysis, s: ConfigSummary) -> tuple[str, str]:
+    if s.spec.is_plain:
+        return "baseline", ""
+    passed = analysis.audit_passed(s.spec.name, s.spec.batch_size)
+    return {True: ("pass", "pass"), False: ("FAIL", "fail"), None: ("none", "fail")}[passed]
+
+
+def summary_rows(analysis: Analysis) -> list[dict[str, Any]]:
+    """One formatted row per (config, batch size) for the summary table."""
+    rows = []
+    for s in analysis.configs:
+        a, spd = s.acceptance, s.speedup
+        audit, audit_class = _audit_cell(analysis, s)
+        rows.append({
+            "name": s.spec.name, "batch": s.spec.batch_size, "drafter": s.spec.drafter,
+            "k": s.spec.k, "n": s.n_requests, "tokens": s.output_tokens,
+            "temperature": "per prompt" if s.spec.temperature is None else s.spec.temperature,
+            "throughput": _num(s.throughput_tok_s, 1),
+            "ttft": _pair(s.ttft.p50, s.ttft.p99, 1000, 0),
+            "itl": _pair(s.itl.p50, s.itl.p99, 1000, 1),
+            "latency": _pair(s.latency.p50, s.latency.p99, 1, 2),
+            "rate": _num(a.rate), "alpha": _num(a.alpha), "mal": _num(a.mean_acceptance_length),
+            "speedup": _ci(spd.total_ratio) if spd else DASH,
+            "median_speedup": _ci(spd.median_ratio) if spd else DASH,
+            "predicted": _num(s.predicted_speedup) + (f" ({s.cost_source})" if s.cost_source
+                                                      else ""),
+            "audit": audit, "audit_class": audit_class,
+        })
+    return rows
+
+
+def category_rows(analysis: Analysis) -> list[dict[str, Any]]:
+    """One row per (config, batch size, category), speculative configs only."""
+    rows = []
+    for s in analysis.configs:
+        if s.spec.is_plain:
+            continue
+        for cat, c in s.by_category.items():
+            rows.append({"name": s.spec.name, "batch": s.spec.batch_size, "category": cat,
+                         "n": c.n_requests, "rate": _num(c.acceptance.rate),
+                         "alpha": _num(c.acceptance.alpha),
+                         "mal": _num(c.acceptance.mean_acceptance_length),
+                         "speedup": _num(c.speedup) + ("x" if math.isfinite(c.speedup) else "")})
+    return rows
+
+
+def _samples_of(analysis: Analysis, s: ConfigSummary) -> list[Any]:
+    return [x for x in analysis.results.samples if (x.config, x.batch_size) == s.key]
+
+
+def latency_figures(analysis: Analysis) -> list[dict[str, Any]]:
+    """Per batch size: CDFs of TTFT, ITL and request latency, one line per config."""
+    metrics = (("TTFT", "time to first token (ms)", lambda x: [x.ttft_s * 1000]),
+               ("ITL", "inter-token latency (ms)", lambda x: [t * 1000 for t in x.itl_s]),
+               ("Request latency", "request latency (s)", lambda x: [x.latency_s]))
+    groups = []
+    for batch in analysis.batch_sizes:
+        configs = [s for s in analysis.configs if s.spec.batch_size == batch]
+        figures = []
+        for title, label, get in metrics:
+            series = []
+            for s in configs:
+                values = [v for x in _samples_of(analysis, s) for v in get(x)]
+                xs, ys = ecdf(values)
+                series.append(svg.Series(s.spec.name, xs, ys, step=True))
+            figures.append(Markup(svg.line_chart(
+                series, title=f"{title} CDF, batch size {batch}", x_label=label,
+                y_label="fraction of requests" if title != "ITL" else "fraction of tokens",
+                y_range=(0.0, 1.0))))
+        groups.append({"batch": batch, "figures": figures})
+    return groups
+
+
+def acceptance_figures(analysis: Analysis) -> list[Markup]:
+    """Acceptance by draft position, one chart per batch size, one line per config."""
+    out = []
+    for batch in analysis.batch_sizes:
+        series = [svg.Series(s.spec.name, [float(i + 1) for i in range(len(
+            s.acceptance.by_position))], s.acceptance.by_position)
+            for s in analysis.configs if s.spec.batch_size == batch and not s.spec.is_plain
+            and s.acceptance.by_position]
+        if series:
+            out.append(Markup(svg.line_chart(
+                series, title=f"Acceptance by position, batch size {batch}",
+                x_label="draft position", y_label="accepted / drafted there",
+                y_range=(0.0, 1.0))))
+    return out
+
+
+def speedup_figure(analysis: Analysis) -> Markup:
+    """Measured speedup (total ratio, CI bars) against batch size, one line per config."""
+    by_name: dict[str, list[ConfigSummary]] = {}
+    for s in analysis.configs:
+        if s.speedup is not None:
+            by_name.setdefault(s.spec.name, []).append(s)
+    series = []
+    for name, runs in by_name.items():
+        runs.sort(key=lambda s: s.spec.batch_size)
+        ivs = [s.speedup.total_ratio for s in runs if s.speedup is not None]
+        series.append(svg.Series(name, [float(s.spec.batch_size) for s in runs],
+                                 [iv.estimate for iv in ivs], err_low=[iv.low for iv in ivs],
+                                 err_high=[iv.high for iv in ivs]))
+    if not series:
+        return Markup("<p>No speculative configuration with a plain baseline.</p>")
+    return Markup(svg.line_chart(series, title="Speedup vs batch size (95% CI)",
+                                 x_label="batch size", y_label="speedup over plain (x)",
+                                 hline=1.0))
+
+
+def speedup_histograms(analysis: Analysis) -> list[Markup]:
+    """Per config and batch size: histogram of per-request speedups (marker at 1)."""
+    out = []
+    for s in analysis.configs:
+        if s.speedup is None:
+            continue
+        ratios = [r for r in s.speedup.per_request if math.isfinite(r)]
+        h = histogram(ratios, bins=20)
+        out.append(Markup(svg.bar_chart(
+            h.edges, h.counts, marker=1.0, x_label="per-request speedup (x)",
+            title=f"{s.spec.name}, batch size {s.spec.batch_size}: per-request speedup")))
+    return out
+
+
+def boundary_figures(analysis: Analysis) -> list[Markup]:
+    """One alpha x c map per (k, batch size), with every matching config's measured point."""
+    groups: dict[tuple[int, int], list[ConfigSummary]] = {}
+    for s in analysis.configs:
+        k = s.spec.k
+        if isinstance(k, int) and k >= 1 and math.isfinite(s.c) and math.isfinite(s.v):
+            groups.setdefault((k, s.spec.batch_size), []).append(s)
+    out = []
+    for (k, batch), runs in sorted(groups.items()):
+        v = sum(s.v for s in runs) / len(runs)
+        points = [(f"{s.spec.name} (S={_num(s.predicted_speedup)})", s.acceptance.alpha, s.c)
+                  for s in runs]
+        out.append(Markup(svg.boundary_map(
+            float(k), v, points, title=f"k = {k}, v(k) = {v:.2f}, batch size {batch}")))
+    return out
+
+
+def _table_rows(analysis: Analysis) -> dict[str, list[dict[str, Any]]]:
+    audits = [{**a.to_dict(), "batch": a.batch_size if a.batch_size is not None else "all",
+               "p_value": _num(a.p_value, 4)} for a in analysis.audits]
+    memory = [{"config": m.config, "batch": m.batch_size,
+               **{key: fmt_bytes(getattr(m, key)) for key in (
+                   "target_weights", "draft_weights", "target_kv", "draft_kv", "peak_rss")}}
+              for m in analysis.results.memory]
+    costs = [{"drafter": c.drafter, "config": c.config or DASH, "batch": c.batch_size, "k": k,
+              "c": _num(cv), "v": _num(vv), "step": _num(c.target_step_s * 1000, 1)}
+             for c in analysis.results.cost_curves
+             for k, cv, vv in zip(c.k, c.c, c.v, strict=False)]
+    return {"audit_rows": audits, "memory_rows": memory, "cost_rows": costs}
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("specdecode", "data"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+    )
+
+
+def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
+    """The full report page as a string."""
+    env = _environment()
+    header = analysis.results.header
+    headline = recommendation.render().splitlines()[0]
+    context = {
+        "header": header, "model": header.model, "workload": header.workload,
+        "hardware_line": describe_hardware(header.hardware),
+        "truncated": analysis.results.truncated_tail,
+        "confidence": 0.95, "n_resamples": analysis.n_resamples, "seed": analysis.seed,
+        "rec": recommendation, "rec_headline": headline, "rec_vllm": recommendation.vllm_json,
+        "summary_rows": summary_rows(analysis), "category_rows": category_rows(analysis),
+        "latency_figures": latency_figures(analysis),
+        "acceptance_figures": acceptance_figures(analysis),
+        "speedup_figure": speedup_figure(analysis),
+        "speedup_histograms": speedup_histograms(analysis),
+        "boundary_figures": boundary_figures(analysis),
+        "prompts": prompts_from_description(header.workload),
+        **_table_rows(analysis),
+    }
+    return env.get_template(TEMPLATE).render(**context)
+
+
+def write_html(path: str | Path, analysis: Analysis, recommendation: Recommendation) -> None:
+    """Render the report and write it atomically to `path`."""
+    atomic_write_text(path, render_html(analysis, recommendation))

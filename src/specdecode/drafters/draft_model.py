@@ -1,0 +1,91 @@
+"""A separate draft model sharing the target's tokenizer (and, with int8 weights, the quantized
+copy of the target). The draft keeps its own KV cache; on every proposal it re-syncs with the
+committed context by rolling back to the longest common prefix, then drafts k tokens one by one,
+each from q computed by the same sampling pipeline as the target's p."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from specdecode.drafters.base import Draft
+from specdecode.errors import SpecDecodeError
+from specdecode.models.precision import quantize_int8
+from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
+
+_EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
+    tv, dv = target.cfg.vocab_size, draft.cfg.vocab_size
+    if tv != dv:
+        raise SpecDecodeError(
+            f"draft model {draft_name} has a vocabulary of {dv} tokens but the target has {tv}: "
+            "a draft model must share the target's tokenizer"
+        )
+
+
+class DraftModelDrafter:
+    def __init__(self, model: Any, name: str = "draft-model", capacity: int = 4096) -> None:
+        self.name = name
+        self.model = model
+        self.capacity = capacity
+        self.cache: Any = None
+        self.fed: list[int] = []  # tokens whose KV the draft cache holds, in order
+
+    def reset(self) -> None:
+        self.cache, self.fed = None, []
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Roll back to the common prefix with `context`, feed the rest; logits of the last one."""
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, self.capacity)
+        n = 0
+        limit = min(len(self.fed), len(context) - 1)  # always feed at least one token
+        while n < limit and self.fed[n] == context[n]:
+            n += 1
+        self.cache.rollback(0, n)
+        self.fed = context[:n]
+        return self._feed(context[n:])
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        logits = self.model(torch.tensor([tokens]), self.cache, logits_for="last")
+        self.fed.extend(tokens)
+        return logits[0]  # (1, V)
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        params: SamplingParams,
+        prompt_len: int,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        ctx = context.tolist()
+        if len(ctx) + k + 1 > self.capacity:
+            return Draft(_EMPTY, None)
+        logits = self._sync(ctx)
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(k):
+            history = torch.tensor(ctx + tokens)
+            if params.greedy:
+                tok = int(greedy_tokens(logits, params, history, prompt_len, _EMPTY)[0])
+            else:
+                q = probs_from_logits(logits, params, history, prompt_len, _EMPTY)[0]  # (V,)
+                tok = int(sample(q, generator))
+                qs.append(q)
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self._feed([tok])
+        q_all = torch.stack(qs) if qs else None
+        return Draft(torch.tensor(tokens, dtype=torch.long), q_all)
+
+
+def int8_drafter(target: Any, capacity: int = 4096) -> DraftModelDrafter:
+    """The quantized copy of the target: per-channel int8 weights, dynamic int8 activations."""
+    if getattr(target, "backend", "") != "native":
+        raise SpecDecodeError("the int8 drafter needs a target on the native runner")
+    return DraftModelDrafter(quantize_int8(copy.deepcopy(target)), "int8", capacity)
