@@ -130,9 +130,7 @@ def noncentral_chi2_sf(x: float, df: int, nc: float) -> float:
     return min(1.0, total)
 
 
-def chi_square_gof(
-    observed: Counts, probs: Counts, min_expected: float = 5.0
-) -> ChiSquareResult:
+def chi_square_gof(observed: Counts, probs: Counts, min_expected: float = 5.0) -> ChiSquareResult:
     """Pearson's chi-square goodness-of-fit test of counts against a KNOWN distribution.
 
     Assumptions: the observations are i.i.d. draws from one categorical distribution; `probs` is

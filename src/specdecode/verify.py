@@ -70,10 +70,10 @@ def verify_chain(
     whose sampler and reported q disagree) the emitted token at that position is still exactly
     p_i-distributed, which neither "always accept" (ratio +inf) nor "always reject" would give.
 
-    Residual with zero mass (max(0, p_i - q_i) == 0 everywhere, i.e. p_i <= q_i elementwise, i.e.
-    p_i == q_i up to rounding): then the acceptance probability is 1 for every token q_i can draw,
-    so a rejection can only come from rounding; p_i is drawn instead, the limit of the residual
-    conditional as q_i -> p_i, and the correct distribution given that p_i == q_i.
+    Residual with zero mass (max(0, p_i - q_i) == 0 everywhere, i.e. p_i <= q_i elementwise, which
+    for two normalised distributions means p_i == q_i up to rounding): the acceptance probability
+    is then 1 for every token q_i can draw, so a rejection can only come from rounding; p_i is
+    drawn instead, the limit of the residual conditional as q_i -> p_i.
 
     Randomness: exactly k uniforms (torch.rand) then one categorical draw (`sampling.sample`), all
     from `generator`, whatever the outcome: the same seed gives the same result.

@@ -159,22 +159,54 @@ def bootstrap_ci(
                          confidence)
 
 
+def resample_counts(n: int, n_resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """How often each of n units is drawn in each resample, shape (R, n).
+
+    Uses the same draws as `bootstrap_replicates`, so equal seeds give paired resamples.
+    """
+    idx = rng.integers(0, n, size=(n_resamples, n))
+    flat = (idx + n * np.arange(n_resamples)[:, None]).ravel()
+    return np.bincount(flat, minlength=n_resamples * n).reshape(n_resamples, n)
+
+
+def _weighted_percentiles(values: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
+    """Per row of integer `weights` (R, N) over sorted `values` (N,): the linear-interpolation
+    percentile of the data set holding values[j] weights[r, j] times."""
+    cum = np.cumsum(weights, axis=1)
+    total = cum[:, -1]
+    h = (total - 1) * q / 100.0
+    lo = np.floor(h)
+    hi = np.minimum(lo + 1, total - 1)
+    i_lo = np.minimum((cum <= lo[:, None]).sum(axis=1), values.size - 1)
+    i_hi = np.minimum((cum <= hi[:, None]).sum(axis=1), values.size - 1)
+    out = values[i_lo] + (h - lo) * (values[i_hi] - values[i_lo])
+    return np.where(total > 0, out, math.nan)
+
+
 def pooled_percentile_replicates(
     groups: Sequence[np.ndarray], qs: Sequence[float], n_resamples: int,
-    rng: np.random.Generator,
+    rng: np.random.Generator, chunk: int = 64,
 ) -> np.ndarray:
     """Percentiles of pooled values after resampling whole groups: shape (R, len(qs)).
 
-    Used for inter-token latencies, resampled request by request.
+    Used for inter-token latencies, resampled request by request. Equal to concatenating the
+    drawn groups and taking linear-interpolation percentiles, computed without copying.
     """
     out = np.full((n_resamples, len(qs)), math.nan)
     n = len(groups)
     if n == 0:
         return out
-    for r, idx in enumerate(rng.integers(0, n, size=(n_resamples, n))):
-        pooled = np.concatenate([groups[i] for i in idx])
-        if pooled.size:
-            out[r] = np.percentile(pooled, qs, method="linear")
+    counts = resample_counts(n, n_resamples, rng)
+    values = np.concatenate([np.asarray(g, dtype=float) for g in groups])
+    if values.size == 0:
+        return out
+    owner = np.repeat(np.arange(n), [len(g) for g in groups])
+    order = np.argsort(values, kind="stable")
+    values, owner = values[order], owner[order]
+    for start in range(0, n_resamples, chunk):
+        weights = counts[start:start + chunk][:, owner]
+        for col, q in enumerate(qs):
+            out[start:start + chunk, col] = _weighted_percentiles(values, weights, q)
     return out
 
 

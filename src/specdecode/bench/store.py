@@ -82,11 +82,27 @@ def check_writable(folder: str | Path) -> Path:
     return path
 
 
+def preflight(folder: str | Path, resume: bool) -> Path:
+    """Check the output folder before any expensive work (model loading, measuring).
+
+    Raises SpecDecodeError if it is not writable, or if it already holds results and `resume`
+    is off. Returns the folder.
+    """
+    path = check_writable(folder)
+    if (path / RESULTS_FILE).exists() and not resume:
+        raise SpecDecodeError(
+            f"{path / RESULTS_FILE} already exists: pass --resume to continue it, or choose "
+            "another output folder"
+        )
+    return path
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write `text` to a temporary file beside `path`, fsync it, then rename it over `path`."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -95,6 +111,12 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def encode_line(kind: str, data: dict[str, Any]) -> bytes:
@@ -220,13 +242,8 @@ def open_store(folder: str | Path, header: RunHeader, resume: bool = False) -> R
 
     An existing file without `resume` is refused rather than overwritten.
     """
-    path = check_writable(folder) / RESULTS_FILE
+    path = preflight(folder, resume) / RESULTS_FILE
     if path.exists():
-        if not resume:
-            raise SpecDecodeError(
-                f"{path} already exists: pass --resume to continue it, or choose another "
-                "output folder"
-            )
         return _resume(path, header)
     handle = path.open("xb")
     store = ResultStore(path, handle, Results(header=header))

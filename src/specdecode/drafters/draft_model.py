@@ -5,14 +5,12 @@ each from q computed by the same sampling pipeline as the target's p."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
 from specdecode.drafters.base import Draft
 from specdecode.errors import SpecDecodeError
-from specdecode.models.precision import quantize_int8
 from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -82,10 +80,3 @@ class DraftModelDrafter:
                 logits = self._feed([tok])
         q_all = torch.stack(qs) if qs else None
         return Draft(torch.tensor(tokens, dtype=torch.long), q_all)
-
-
-def int8_drafter(target: Any, capacity: int = 4096) -> DraftModelDrafter:
-    """The quantized copy of the target: per-channel int8 weights, dynamic int8 activations."""
-    if getattr(target, "backend", "") != "native":
-        raise SpecDecodeError("the int8 drafter needs a target on the native runner")
-    return DraftModelDrafter(quantize_int8(copy.deepcopy(target)), "int8", capacity)

@@ -1,0 +1,256 @@
+"""The benchmark loop: interleave configurations over the same prompts, write as you measure.
+
+Order of work in `run_bench`:
+
+1. check the output folder (before anything is measured) and the configurations (every
+   speculative configuration needs a plain one at its batch size and temperature);
+2. open the results file (new, or resumed: units already measured are skipped);
+3. one untimed warm-up batch per configuration that still has work (short: 16 new tokens);
+4. for each batch size, for each group of `batch_size` prompts: every configuration in turn,
+   the order rotated by one per group so slow drift (thermal, background load) spreads evenly
+   over configurations; each sample is written (fsync'd) as soon as it is returned;
+5. cost curves, memory and audit verdicts from the runner (unless already stored);
+6. report.json and report.html, assembled from the results file, and the terminal summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
+
+from specdecode import __version__
+from specdecode.bench.hardware import detect_hardware
+from specdecode.bench.recommend import Recommendation, recommend
+from specdecode.bench.records import (
+    SCHEMA_VERSION,
+    ConfigSpec,
+    ModelInfo,
+    RequestSample,
+    RunHeader,
+)
+from specdecode.bench.report_html import write_html
+from specdecode.bench.runner import Runner, RunnerDescription
+from specdecode.bench.stats import DEFAULT_RESAMPLES, Analysis, analyze, find_baseline
+from specdecode.bench.store import (
+    REPORT_HTML,
+    REPORT_JSON,
+    ResultStore,
+    UnitKey,
+    build_report,
+    open_store,
+    preflight,
+    read_results,
+    write_report_json,
+)
+from specdecode.bench.summary import render_summary
+from specdecode.bench.workloads import Prompt, Workload, describe_workload
+from specdecode.errors import SpecDecodeError
+
+WARMUP_TOKENS = 16
+Task = tuple[int, list[Prompt], ConfigSpec]  # (group index, prompts, config)
+
+
+@dataclass
+class BenchOptions:
+    """How to run: where to write, resume or not, seeds, bootstrap size, progress bar."""
+
+    out_dir: Path
+    resume: bool = False
+    seed: int = 0
+    n_resamples: int = DEFAULT_RESAMPLES
+    progress: bool = True
+    warmup: bool = True
+
+
+@dataclass
+class BenchOutcome:
+    """What a finished run produced."""
+
+    results_path: Path
+    report_json: Path
+    report_html: Path
+    analysis: Analysis
+    recommendation: Recommendation
+    summary: str
+    measured: int  # samples written by this run
+    resumed: int  # samples found already measured
+
+
+def config_grid(configs: Sequence[ConfigSpec], batch_sizes: Sequence[int]) -> list[ConfigSpec]:
+    """Every config at every batch size (the batch size of the inputs is replaced)."""
+    return [dataclasses.replace(c, batch_size=b) for b in batch_sizes for c in configs]
+
+
+def validate_configs(configs: Sequence[ConfigSpec]) -> None:
+    """Unique (name, batch size), valid fields, and a plain baseline for each speculative one."""
+    if not configs:
+        raise SpecDecodeError("no configurations to measure")
+    seen: set[tuple[str, int]] = set()
+    for c in configs:
+        c.validate()
+        if c.key in seen:
+            raise SpecDecodeError(f"config {c.name} appears twice at batch size {c.batch_size}")
+        seen.add(c.key)
+        if not c.is_plain and find_baseline(c, configs) is None:
+            raise SpecDecodeError(
+                f"config {c.name} at batch size {c.batch_size} has no plain configuration "
+                "at the same batch size and temperature to measure its speedup against"
+            )
+
+
+def make_header(
+    description: RunnerDescription, workload: Workload, configs: Sequence[ConfigSpec], seed: int
+) -> RunHeader:
+    """The run header from the runner's description, this machine and the workload."""
+    return RunHeader(
+        schema_version=SCHEMA_VERSION,
+        specdecode_version=__version__,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        hardware=detect_hardware(description.get("torch_threads"),
+                                 description.get("accelerator")),
+        model=ModelInfo(
+            name=description.get("model_name", "unknown"),
+            precision=description.get("precision", "unknown"),
+            weight_hash=description.get("weight_hash", "unknown"),
+        ),
+        workload=describe_workload(workload),
+        configs=list(configs),
+        runner=dict(description),
+        seed=seed,
+    )
+
+
+def schedule(prompts: Sequence[Prompt], configs: Sequence[ConfigSpec]) -> list[Task]:
+    """All (group, prompts, config) tasks: batch sizes ascending, configs rotated per group."""
+    tasks: list[Task] = []
+    for batch in sorted({c.batch_size for c in configs}):
+        at_batch = [c for c in configs if c.batch_size == batch]
+        for g, start in enumerate(range(0, len(prompts), batch)):
+            group = list(prompts[start:start + batch])
+            shift = g % len(at_batch)
+            tasks += [(g, group, c) for c in at_batch[shift:] + at_batch[:shift]]
+    return tasks
+
+
+def task_units(task: Task) -> set[UnitKey]:
+    """The units a task measures."""
+    _, prompts, config = task
+    return {(config.name, p.id, turn, config.batch_size)
+            for p in prompts for turn in range(len(p.turns))}
+
+
+def _check_samples(task: Task, samples: Sequence[RequestSample]) -> None:
+    expected = task_units(task)
+    got = [s.unit for s in samples]
+    if sorted(got) != sorted(expected):
+        raise SpecDecodeError(f"runner returned samples for {sorted(got)}, expected "
+                              f"{sorted(expected)} (config {task[2].name})")
+    for s in samples:
+        problems = s.problems()
+        if problems:
+            raise SpecDecodeError(f"runner returned an inconsistent sample for {s.unit}: "
+                                  + "; ".join(problems))
+
+
+def warm_up(runner: Runner, tasks: Sequence[Task]) -> None:
+    """One short untimed batch per configuration that has work left."""
+    warmed: set[tuple[str, int]] = set()
+    for _, prompts, config in tasks:
+        if config.key in warmed:
+            continue
+        warmed.add(config.key)
+        short = [dataclasses.replace(p, id=f"warmup-{p.id}", turns=p.turns[:1],
+                                     max_tokens=WARMUP_TOKENS) for p in prompts]
+        runner.run(short, config)
+
+
+def measure(runner: Runner, store: ResultStore, tasks: Sequence[Task], progress: bool) -> int:
+    """Run the tasks, writing every new sample as it arrives; returns the count written."""
+    written = 0
+    with tqdm(total=len(tasks), unit="batch", disable=not progress, file=sys.stderr) as bar:
+        for task in tasks:
+            group, prompts, config = task
+            bar.set_postfix_str(f"{config.name} bs={config.batch_size}")
+            started = time.time()
+            samples = runner.run(prompts, config)
+            _check_samples(task, samples)
+            done = store.done_units()
+            for s in samples:
+                if s.unit not in done:
+                    store.append(dataclasses.replace(s, group=group,
+                                                     started_at=s.started_at or started))
+                    written += 1
+            bar.update(1)
+    return written
+
+
+def collect_extras(runner: Runner, store: ResultStore, configs: Sequence[ConfigSpec]) -> None:
+    """Store the runner's cost curves, memory records and audit verdicts not yet stored."""
+    results = store.results
+    if not results.cost_curves:
+        for curve in runner.cost_curves(configs):
+            store.append(curve)
+    have_memory = {(m.config, m.batch_size) for m in results.memory}
+    have_audit = {(a.config, a.batch_size) for a in results.audits}
+    for config in configs:
+        record = runner.memory(config) if config.key not in have_memory else None
+        if record is not None:
+            store.append(record)
+        if config.key not in have_audit and not config.is_plain:
+            for verdict in runner.audit(config):
+                store.append(dataclasses.replace(verdict, batch_size=config.batch_size))
+
+
+def finish(results_path: Path, options: BenchOptions, measured: int, resumed: int
+           ) -> BenchOutcome:
+    """Analyze the results file and write report.json and report.html beside it."""
+    results = read_results(results_path)
+    analysis = analyze(results, n_resamples=options.n_resamples, seed=options.seed)
+    rec = recommend(analysis)
+    report_json = results_path.parent / REPORT_JSON
+    report_html = results_path.parent / REPORT_HTML
+    write_report_json(report_json, build_report(results, {"analysis": analysis.to_dict(),
+                                                          "recommendation": rec.to_dict()}))
+    write_html(report_html, analysis, rec)
+    summary = render_summary(analysis, rec, str(report_html))
+    return BenchOutcome(results_path, report_json, report_html, analysis, rec, summary,
+                        measured, resumed)
+
+
+def run_bench(
+    runner: Runner, workload: Workload, configs: Sequence[ConfigSpec], options: BenchOptions,
+    out: TextIO | None = None,
+) -> BenchOutcome:
+    """Measure every config on the workload, write results and reports, print the summary.
+
+    Callers that load a model first should call `store.preflight(out_dir, resume)` before
+    loading it, so a bad output folder fails fast; this function checks it again.
+    """
+    out = out if out is not None else sys.stdout
+    preflight(options.out_dir, options.resume)
+    validate_configs(configs)
+    header = make_header(runner.describe(), workload, configs, options.seed)
+    with open_store(options.out_dir, header, options.resume) as store:
+        resumed = len(store.results.samples)
+        tasks = [t for t in schedule(workload.prompts, configs)
+                 if not task_units(t) <= store.done_units()]
+        try:
+            if options.warmup and tasks:
+                warm_up(runner, tasks)
+            measured = measure(runner, store, tasks, options.progress)
+            collect_extras(runner, store, configs)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: {len(store.results.samples)} samples are saved in "
+                  f"{store.path}; rerun with --resume to continue", file=out)
+            raise
+    outcome = finish(store.path, options, measured, resumed)
+    print(outcome.summary, file=out)
+    return outcome

@@ -1,0 +1,150 @@
+"""The `specdecode` command line. Every user error is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from specdecode.errors import SpecDecodeError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | int8 (default fp32)")
+    p.add_argument("--backend", default="auto",
+                   help="auto | native | transformers (auto: native where the family has one)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="none", help="none | draft-model | int8")
+    p.add_argument("--draft-model", default=None, help="draft checkpoint for --drafter draft-model")
+    p.add_argument("--k", type=int, default=4, help="draft length, 1..64 (default 4)")
+
+
+def _params(args: argparse.Namespace) -> Any:
+    from specdecode.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+    params.validate()
+    return params
+
+
+def _check_k(args: argparse.Namespace) -> None:
+    if not 1 <= args.k <= 64:
+        raise SpecDecodeError(f"--k must be in 1..64, got {args.k}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode.drafters.registry import drafter_factory
+    from specdecode.engine import Generation
+    from specdecode.models.loading import load_model
+
+    params = _params(args)
+    _check_k(args)
+    loaded = load_model(args.model, args.precision, args.backend)
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
+        else args.prompt
+    factory = drafter_factory(args.drafter, loaded.model, args.draft_model)
+    eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
+    gen = Generation(loaded.model, tok, tok.encode(text), params,
+                     factory() if factory else None, args.k, eos)
+    start = time.perf_counter()
+    first: float | None = None
+    pieces: list[str] = []
+    for out in gen.run():
+        if first is None:
+            first = time.perf_counter() - start
+        pieces.append(out.text)
+        if not args.json:
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    total = time.perf_counter() - start
+    gen.release()
+    if args.json:
+        record = {
+            "text": "".join(pieces), "token_ids": gen.output, "finish_reason": gen.finish_reason,
+            "model": loaded.describe(), "drafter": args.drafter, "k": gen.k,
+            "timings": {"load_s": loaded.load_seconds, "ttft_s": first, "total_s": total,
+                        "tokens_per_s": len(gen.output) / total if total else None},
+            "counters": gen.counters.to_dict(),
+        }
+        print(json.dumps(record))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_costs(args: argparse.Namespace) -> int:
+    from specdecode.costs import print_costs, run_costs
+
+    batches = [int(b) for b in args.batches.split(",")]
+    result = run_costs(args.model, args.precision, args.backend, args.context, args.kmax,
+                       batches, args.repeats, compare_transformers=not args.no_peer)
+    print_costs(result)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text (plain or speculative), streamed")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    _add_drafter_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("costs", help="benchmark: forward cost vs positions scored, v(k)")
+    _add_model_args(c)
+    c.add_argument("--context", type=int, default=512)
+    c.add_argument("--kmax", type=int, default=16)
+    c.add_argument("--batches", default="1,2,4,8")
+    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--no-peer", action="store_true", help="skip the transformers comparison")
+    c.add_argument("--json", default=None, help="also write the results to this JSON file")
+    c.set_defaults(func=cmd_costs)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SpecDecodeError as exc:
+        print(f"specdecode: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

