@@ -37,8 +37,13 @@ TINY = {
 }
 
 
-def make_checkpoint(folder: Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a small random Hugging Face checkpoint (safetensors) of `family` into `folder`."""
+def make_checkpoint(
+    folder: Path, family: str = "llama", seed: int = 0, scale: float = 2.5, **overrides: Any
+) -> Path:
+    """Save a small random Hugging Face checkpoint (safetensors) of `family` into `folder`.
+
+    Matrices are scaled by `scale` so the logits are far from uniform, like a real model's.
+    """
     import transformers
 
     classes = {
@@ -51,10 +56,10 @@ def make_checkpoint(folder: Path, family: str = "llama", seed: int = 0, **overri
     torch.manual_seed(seed)
     config = config_cls(**{**TINY, **overrides})
     model = model_cls(config).eval()
-    with torch.no_grad():  # make the random logits far from uniform, like a real model's
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.mul_(2.5)
+                p.mul_(scale)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
     write_tiny_tokenizer(folder, config.vocab_size)

@@ -108,7 +108,7 @@ class FakeRunner:
             drafted=sum(counters.dpp), accepted=sum(counters.app),
             accepted_per_pos=counters.app, drafted_per_pos=counters.dpp,
             rejections=counters.rejections, steps=counters.steps, draft_s=counters.draft_s,
-            target_s=ttft + counters.target_s, verify_s=0.0,
+            target_s=counters.target_s, verify_s=0.0, prefill_s=ttft,
             output_token_ids=self._tokens(prompt, turn, n, temperature, config),
             text=f"reply to {prompt.id} turn {turn}", temperature=temperature,
             started_at=float(request_seed(prompt, turn, self.seed)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -65,12 +66,14 @@ def test_histogram_and_ecdf() -> None:
 def test_bootstrap_ci_covers_the_truth_at_about_the_nominal_rate() -> None:
     rng = np.random.default_rng(123)
     covered = 0
-    trials = 200
+    trials = 1000
     for t in range(trials):
         data = rng.normal(10.0, 2.0, size=40)
         iv = bootstrap_ci(data, mean_stat, n_resamples=400, seed=t)
         covered += iv.low <= 10.0 <= iv.high
-    assert 0.88 <= covered / trials <= 0.99
+    # percentile bootstraps under-cover slightly at n = 40 (~0.936 here); a 90 % interval
+    # mistaken for 95 % gives ~0.89, a 99 % one ~0.98
+    assert 0.915 <= covered / trials <= 0.965
 
 
 def test_bootstrap_ci_is_seeded_and_narrows_with_more_data() -> None:
@@ -84,6 +87,17 @@ def test_bootstrap_ci_is_seeded_and_narrows_with_more_data() -> None:
     assert a.low < a.estimate < a.high
 
 
+def test_pooled_percentiles_equal_concatenating_the_drawn_groups() -> None:
+    rng = np.random.default_rng(3)
+    groups = [rng.exponential(1.0, int(rng.integers(0, 30))) for _ in range(25)]
+    fast = pooled_percentile_replicates(groups, [0, 50, 99, 100], 150,
+                                        np.random.default_rng(7), chunk=16)
+    draws = np.random.default_rng(7).integers(0, 25, size=(150, 25))
+    slow = [np.percentile(np.concatenate([groups[i] for i in row]), [0, 50, 99, 100])
+            for row in draws]
+    assert np.allclose(fast, np.array(slow))
+
+
 def test_pooled_percentiles_resample_whole_groups() -> None:
     groups = [np.full(10, float(i)) for i in range(5)]
     reps = pooled_percentile_replicates(groups, [50], 300, np.random.default_rng(0))
@@ -95,20 +109,34 @@ def test_pooled_percentiles_resample_whole_groups() -> None:
 
 
 def test_acceptance_counts_and_rates() -> None:
-    # request 1: 3 steps drafting 2, 2, 1 tokens, accepting 2, 1, 0 -> 2 rejections
-    # request 2: 1 step drafting 2 tokens, accepting 2
-    a = sample("a", drafted=5, accepted=3, drafted_per_pos=[3, 2], accepted_per_pos=[2, 1],
-               rejections=2, steps=3, tokens=7)
-    b = sample("b", drafted=2, accepted=2, drafted_per_pos=[1, 1], accepted_per_pos=[1, 1],
-               rejections=0, steps=1, tokens=4)
+    # request a: step 1 drafts 3, accepts 0 (two drafted tokens never reached); step 2 drafts 3,
+    # accepts 3. request b: one step drafts 2, accepts 1.
+    a = sample("a", drafted=6, accepted=3, drafted_per_pos=[2, 2, 2], accepted_per_pos=[1, 1, 1],
+               rejections=1, steps=2, tokens=6)
+    b = sample("b", drafted=2, accepted=1, drafted_per_pos=[1, 1], accepted_per_pos=[1, 0],
+               rejections=1, steps=1, tokens=3)
+    assert a.problems() == [] and b.problems() == []
     acc = acceptance([a, b])
-    assert (acc.drafted, acc.accepted, acc.steps, acc.rejections) == (7, 5, 4, 2)
-    assert acc.rate == pytest.approx(5 / 7)
-    assert acc.alpha == pytest.approx(5 / 7)  # 5 accepted of 7 trials (5 + 2 rejections)
-    assert acc.mean_acceptance_length == pytest.approx((5 + 4) / 4)
-    assert acc.by_position == pytest.approx([3 / 4, 2 / 3])
+    assert (acc.drafted, acc.accepted, acc.steps, acc.rejections) == (8, 4, 3, 2)
+    assert acc.rate == pytest.approx(4 / 8)
+    assert acc.alpha == pytest.approx(4 / 6)  # 4 accepted of 6 tokens actually tried
+    assert acc.mean_acceptance_length == pytest.approx((4 + 3) / 3)
+    assert acc.by_position == pytest.approx([2 / 3, 1 / 3, 1 / 2])
     plain_acc = acceptance([sample()])
     assert plain_acc.mean_acceptance_length == 1.0 and math.isnan(plain_acc.rate)
+
+
+def test_alpha_uses_the_engines_min_p_q_measure_when_present() -> None:
+    a = sample("a", drafted=4, accepted=2, drafted_per_pos=[2, 2], accepted_per_pos=[1, 1],
+               rejections=1, steps=2, tokens=5, alpha_micro=1_500_000, alpha_positions=3)
+    b = sample("b", drafted=2, accepted=2, drafted_per_pos=[1, 1], accepted_per_pos=[1, 1],
+               rejections=0, steps=1, tokens=4, alpha_micro=1_800_000, alpha_positions=2)
+    acc = acceptance([a, b])
+    assert acc.alpha_source == "min(p,q)" and acc.alpha == pytest.approx(3.3 / 5)
+    assert acc.alpha_mle == pytest.approx(4 / 5)
+    assert acceptance([dataclasses.replace(a, alpha_micro=0, alpha_positions=0)]).alpha_source \
+        == "mle"
+    assert dataclasses.replace(a, alpha_micro=3_100_000).problems() != []
 
 
 def test_predicted_speedup_formula_and_boundary() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,16 @@ def test_each_line_is_on_disk_before_append_returns(tmp_path: Path) -> None:
         # read through a separate handle while the store is still open
         lines = (tmp_path / RESULTS_FILE).read_bytes().splitlines()
         assert len(lines) == 2 and json.loads(lines[1])["kind"] == "sample"
+
+
+def test_every_append_is_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    with open_store(tmp_path, header()) as store:
+        for s in samples()[:3]:
+            store.append(s)
+    assert len(synced) == 1 + 3  # the header, then each record
 
 
 def crash_mid_write(tmp_path: Path, n_complete: int) -> Path:
@@ -189,3 +200,23 @@ def test_resume_refuses_changed_configurations(tmp_path: Path) -> None:
     other = dataclasses.replace(header(), configs=[plain(), ConfigSpec("x", "ngram", 2)])
     with pytest.raises(SpecDecodeError, match="configurations"):
         open_store(tmp_path, other, resume=True)
+
+
+def test_resume_writes_only_the_missing_units_of_a_partly_written_batch(tmp_path: Path) -> None:
+    prompts = make_prompts(4, multi_turn_every=99)
+    configs = [plain(2), ngram(2)]
+    opts = BenchOptions(tmp_path, progress=False, n_resamples=100)
+    run_bench(FakeRunner(), workload_of(prompts), configs, opts, out=io.StringIO())
+    path = tmp_path / RESULTS_FILE
+    lines = path.read_bytes().splitlines(keepends=True)
+    last_sample = max(i for i, line in enumerate(lines) if b'"kind": "sample"' in line)
+    path.write_bytes(b"".join(lines[:last_sample]))  # crashed mid-way through the last batch
+    for name in ("report.json", "report.html"):
+        (tmp_path / name).unlink()
+    runner = FakeRunner()
+    resumed = dataclasses.replace(opts, resume=True)
+    outcome = run_bench(runner, workload_of(prompts), configs, resumed, out=io.StringIO())
+    assert [c for c in runner.calls if not c[2][0].startswith("warmup")] == [runner.calls[-1]]
+    assert outcome.measured == 1
+    units = [s.unit for s in read_results(path).samples]
+    assert len(units) == len(set(units)) == 8

@@ -105,6 +105,8 @@ def test_category_filter_and_limit_per_category(tmp_path: Path) -> None:
     assert [p.turns[0] for p in w.prompts] == ["a0", "c0", "a1", "c1"]
     with pytest.raises(SpecDecodeError, match=">= 1"):
         filter_prompts(w.prompts, limit_per_category=0)
+    with pytest.raises(SpecDecodeError, match=r"no prompts .* selected"):
+        load_workload(tmp_path / "w.jsonl", categories=[])
 
 
 def test_default_workload_shape() -> None:

@@ -10,5 +10,6 @@ Modules, in the order data flows through them:
 - `stats`: percentiles, bootstrap confidence intervals and per-configuration aggregates.
 - `recommend`: whether to enable speculation, with which drafter and k, up to which batch size.
 - `report_html`, `summary`, `svg`: the self-contained HTML report and the terminal summary.
+- `hardware`: the machine description every report states.
 - `compare`: what changed between two reports (after a target swap or an upgrade).
 """

@@ -113,9 +113,11 @@ def _as_results(report: ReportLike) -> Results:
 
 
 def _table(samples: Sequence[RequestSample]) -> np.ndarray:
-    """Per-sample columns: accepted, accepted + rejections, drafted, tokens, latency, TTFT."""
+    """Per-sample columns: accepted, accepted + rejections, drafted, tokens, latency, TTFT,
+    sum of min(p, q), positions it was summed over."""
     return np.array([[s.accepted, s.accepted + s.rejections, s.drafted, s.output_tokens,
-                      s.latency_s, s.ttft_s] for s in samples], dtype=float).reshape(-1, 6)
+                      s.latency_s, s.ttft_s, s.alpha_micro / 1e6, s.alpha_positions]
+                     for s in samples], dtype=float).reshape(-1, 8)
 
 
 def _column_metric(stat: Callable[[np.ndarray], np.ndarray]) -> Replicates:
@@ -139,11 +141,15 @@ def _itl_metric(q: float) -> Replicates:
     return run
 
 
-def metric_table(speculative: bool) -> dict[str, Replicates]:
-    """The metrics compared, by name (acceptance metrics only for speculative configs)."""
+def metric_table(speculative: bool, direct_alpha: bool = False) -> dict[str, Replicates]:
+    """The metrics compared, by name (acceptance metrics only for speculative configs).
+
+    alpha is the engine's min(p, q) measure when `direct_alpha`, else the i.i.d. estimate.
+    """
     metrics: dict[str, Replicates] = {}
     if speculative:
-        metrics["alpha"] = _column_metric(ratio_of_sums(0, 1))
+        metrics["alpha"] = _column_metric(ratio_of_sums(6, 7) if direct_alpha
+                                          else ratio_of_sums(0, 1))
         metrics["accepted/drafted"] = _column_metric(ratio_of_sums(0, 2))
     for q in (50, 99):
         metrics[f"ttft_p{q}_s"] = _column_metric(column_percentile(5, q))
@@ -165,8 +171,9 @@ def compare_config(
     """
     old, new = sorted(old, key=_unit), sorted(new, key=_unit)
     paired = [_unit(s) for s in old] == [_unit(s) for s in new]
+    direct = all(any(s.alpha_positions for s in run) for run in (old, new))
     out = []
-    for i, (name, metric) in enumerate(metric_table(speculative).items()):
+    for i, (name, metric) in enumerate(metric_table(speculative, direct).items()):
         old_est, old_reps = metric(old, np.random.default_rng([seed, i, 0]), n_resamples)
         new_seed = [seed, i, 0] if paired else [seed, i, 1]
         new_est, new_reps = metric(new, np.random.default_rng(new_seed), n_resamples)

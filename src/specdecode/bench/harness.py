@@ -32,6 +32,7 @@ from specdecode.bench.recommend import Recommendation, recommend
 from specdecode.bench.records import (
     SCHEMA_VERSION,
     ConfigSpec,
+    HardwareInfo,
     ModelInfo,
     RequestSample,
     RunHeader,
@@ -109,13 +110,18 @@ def validate_configs(configs: Sequence[ConfigSpec]) -> None:
 def make_header(
     description: RunnerDescription, workload: Workload, configs: Sequence[ConfigSpec], seed: int
 ) -> RunHeader:
-    """The run header from the runner's description, this machine and the workload."""
+    """The run header from the runner's description, the hardware and the workload.
+
+    The hardware is the runner's own description when it gives one (a remote server), else
+    this machine's.
+    """
+    remote = description.get("hardware")
     return RunHeader(
         schema_version=SCHEMA_VERSION,
         specdecode_version=__version__,
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        hardware=detect_hardware(description.get("torch_threads"),
-                                 description.get("accelerator")),
+        hardware=HardwareInfo.from_dict(remote) if remote else detect_hardware(
+            description.get("torch_threads"), description.get("accelerator")),
         model=ModelInfo(
             name=description.get("model_name", "unknown"),
             precision=description.get("precision", "unknown"),

@@ -24,7 +24,7 @@ from specdecode.bench.records import ConfigSpec
 from specdecode.bench.stats import Analysis, ConfigSummary, jsonable
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
-DRAFT_MODEL_NAMES = ("draft_model", "draft", "model")
+DRAFT_MODEL_NAMES = ("draft-model", "draft_model", "draft")
 
 
 @dataclass
@@ -171,9 +171,9 @@ def recommend(analysis: Analysis) -> Recommendation:
     evidence = [evidence_line(analysis, s) for s in runs]
     notes = [n for n in (k_note, vllm_note) if n]
     if off is not None:
-        notes.append(f"at batch size {off.spec.batch_size} it is not a demonstrated win "
-                     f"({_fmt_ci(off)}; {_audit_text(analysis, off)}); larger batch sizes "
-                     "leave less idle compute for verification")
+        notes.append(f"at batch size {off.spec.batch_size} it is not a demonstrated win: "
+                     f"{_fmt_ci(off)}, {_audit_text(analysis, off)}. Larger batches leave "
+                     "less idle compute for verification")
         notes.append(f"to stop speculating above batch size {prefix[-1].spec.batch_size} in "
                      f'vLLM, releases that support it take "disable_by_batch_size": '
                      f"{prefix[-1].spec.batch_size} in the same JSON (a V0-engine option; "

@@ -13,9 +13,10 @@ Timing attribution inside a `RequestSample` (all times in seconds, wall clock):
   at the same instant. This keeps `ttft_s + sum(itl_s)` equal to the time of the last token,
   and makes ITL percentiles show the burstiness speculation really produces.
 - `latency_s`: submission to the request's completion (the last token, or end of stream).
-- `draft_s`, `target_s`, `verify_s`: time spent drafting, in target forward passes (prefill
-  included) and in verification, summed over the request's steps. With batch size > 1 a batched
-  phase's time is charged in full to every request in it.
+- `prefill_s`: the prompt's prefill pass(es). `draft_s`, `target_s`, `verify_s`: time spent
+  drafting, in target forward passes after prefill (scoring) and in verification, summed over
+  the request's steps. With batch size > 1 a batched phase's time is charged in full to every
+  request in it.
 
 Counter attribution (integers, per request; the first output token comes from prefill and is not
 a step):
@@ -27,6 +28,9 @@ a step):
   first i + 1 were); `sum(accepted_per_pos) == accepted`.
 - `rejections`: steps in which a draft token was rejected (a recovered token was drawn). With
   `accepted` it gives the i.i.d. maximum-likelihood alpha: accepted / (accepted + rejections).
+- `alpha_micro`, `alpha_positions`: the engine's direct measure of alpha, sum over verified draft
+  positions of sum_x min(p(x), q(x)) in millionths, and the number of those positions (as in
+  `specdecode.metrics.Counters`); 0 / 0 when the runner does not measure it.
 """
 
 from __future__ import annotations
@@ -137,6 +141,9 @@ class RequestSample:
     temperature: float = 0.0
     group: int = 0  # index of the batch group the request ran in (same for every config)
     started_at: float = 0.0  # unix time the request was submitted (for drift analysis)
+    prefill_s: float = 0.0
+    alpha_micro: int = 0
+    alpha_positions: int = 0
 
     @property
     def unit(self) -> tuple[str, str, int, int]:
@@ -146,7 +153,8 @@ class RequestSample:
     def problems(self) -> list[str]:
         """Inconsistencies between the fields (empty when the sample is well formed)."""
         out: list[str] = []
-        times = [self.ttft_s, self.latency_s, self.draft_s, self.target_s, self.verify_s]
+        times = [self.ttft_s, self.latency_s, self.prefill_s, self.draft_s, self.target_s,
+                 self.verify_s]
         if not all(math.isfinite(t) and t >= 0 for t in [*times, *self.itl_s]):
             out.append("times must be finite and >= 0")
         if self.output_tokens > 0 and len(self.itl_s) != self.output_tokens - 1:
@@ -164,6 +172,8 @@ class RequestSample:
             out.append("accepted_per_pos[i] > drafted_per_pos[i]")
         if self.accepted > self.drafted or self.rejections > self.steps:
             out.append("accepted > drafted or rejections > steps")
+        if self.alpha_micro > 1_000_000 * self.alpha_positions or self.alpha_micro < 0:
+            out.append("alpha_micro must lie in [0, 1e6 * alpha_positions]")
         return out
 
     def to_dict(self) -> JsonDict:

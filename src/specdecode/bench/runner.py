@@ -45,6 +45,7 @@ class RunnerDescription(TypedDict, total=False):
     weight_hash: str  # sha256 of the target's weight file(s): detects a target swap
     torch_threads: int
     accelerator: str | None  # e.g. "NVIDIA H200", None for CPU only
+    hardware: dict[str, object]  # remote runners: the server's HardwareInfo fields
     details: dict[str, object]  # anything else worth keeping (versions, endpoint, ...)
 
 

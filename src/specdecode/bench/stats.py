@@ -14,8 +14,10 @@ Choices, stated once:
   same batch size and temperature, on the units both measured. "median ratio": median plain
   time per output token / median speculative time per output token; "total ratio": speculative
   tokens/s over plain tokens/s summed over those units. Recommendations use the total ratio.
-- alpha is estimated as accepted / (accepted + rejections), the maximum-likelihood estimate
-  under i.i.d. acceptance; accepted / drafted (the acceptance rate) is reported separately.
+- alpha is the engine's direct measure E[sum_x min(p(x), q(x))] over verified draft positions
+  where the samples carry it, else accepted / (accepted + rejections), the maximum-likelihood
+  estimate under i.i.d. acceptance; accepted / drafted (the acceptance rate) is reported
+  separately.
 """
 
 from __future__ import annotations
@@ -234,9 +236,11 @@ def column_percentile(col: int, q: float) -> Statistic:
 class Acceptance:
     """Acceptance counters of a set of requests and the rates derived from them.
 
-    `rate` = accepted / drafted; `alpha` = accepted / (accepted + rejections);
-    `mean_acceptance_length` = (accepted + steps) / steps, tokens per target pass (bonus and
-    recovered tokens included); `by_position[i]` = accepted_per_pos[i] / drafted_per_pos[i].
+    `rate` = accepted / drafted; `alpha_mle` = accepted / (accepted + rejections); `alpha` =
+    the engine's sum of min(p, q) over its positions when measured (`alpha_source` "min(p,q)"),
+    else `alpha_mle` (`alpha_source` "mle"); `mean_acceptance_length` = (accepted + steps) /
+    steps, tokens per target pass (bonus and recovered tokens included); `by_position[i]` =
+    accepted_per_pos[i] / drafted_per_pos[i].
     """
 
     drafted: int
@@ -245,6 +249,8 @@ class Acceptance:
     rejections: int
     rate: float
     alpha: float
+    alpha_mle: float
+    alpha_source: str
     mean_acceptance_length: float
     drafted_per_pos: list[int]
     accepted_per_pos: list[int]
@@ -269,10 +275,15 @@ def acceptance(samples: Sequence[RequestSample]) -> Acceptance:
     dpp = _sum_positions([s.drafted_per_pos for s in samples])
     app = _sum_positions([s.accepted_per_pos for s in samples])
     app += [0] * (len(dpp) - len(app))
+    positions = sum(s.alpha_positions for s in samples)
+    alpha_mle = _ratio(accepted, accepted + rejections)
+    direct = _ratio(sum(s.alpha_micro for s in samples) / 1e6, positions)
     return Acceptance(
         drafted=drafted, accepted=accepted, steps=steps, rejections=rejections,
         rate=_ratio(accepted, drafted),
-        alpha=_ratio(accepted, accepted + rejections),
+        alpha=direct if positions else alpha_mle,
+        alpha_mle=alpha_mle,
+        alpha_source="min(p,q)" if positions else "mle",
         mean_acceptance_length=_ratio(accepted + steps, steps),
         drafted_per_pos=dpp, accepted_per_pos=app,
         by_position=[_ratio(a, d) for a, d in zip(app, dpp, strict=True)],

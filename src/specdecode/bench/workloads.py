@@ -214,6 +214,8 @@ def load_workload(
         reason = f" ({len(skipped)} malformed lines skipped)" if skipped else ""
         raise SpecDecodeError(f"workload {path} holds no prompts{reason}")
     selected = filter_prompts(prompts, categories, limit_per_category)
+    if not selected:
+        raise SpecDecodeError(f"no prompts of workload {path} were selected")
     return Workload(
         name=name or path.stem,
         path=str(path),

@@ -7,26 +7,58 @@ a fresh per-request drafter sharing them.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from specdecode.drafters.base import Drafter
 from specdecode.errors import SpecDecodeError
 
-DRAFTERS = ("none", "draft-model", "int8")
+DRAFTERS = ("none", "draft-model", "int8", "ngram", "layerskip")
 
 DrafterFactory = Callable[[], Drafter]
 
 
 def drafter_factory(
-    name: str, target: Any, draft_model: str | None = None, capacity: int = 4096
+    name: str,
+    target: Any,
+    draft_model: str | None = None,
+    capacity: int = 4096,
+    *,
+    ngram_max: int = 3,
+    ngram_min: int = 1,
+    layers: Sequence[int] | None = None,
+    tokenizer: Any | None = None,
 ) -> DrafterFactory | None:
-    """A maker of per-request drafters for `target` (a runner); None for 'none'."""
+    """A maker of per-request drafters for `target` (a runner); None for 'none'.
+
+    ngram: n-gram sizes tried, ngram_max down to ngram_min. layerskip: the blocks the draft runs
+    (`layers`), else the calibrated default for this model, cached, or calibrated now with
+    `tokenizer` (once per model; see drafters.layerskip).
+    """
     from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
     from specdecode.models.precision import quantize_int8
 
     if name == "none":
         return None
+    if name == "ngram":
+        from specdecode.drafters.ngram import NgramDrafter
+
+        NgramDrafter(ngram_max, ngram_min)  # check the sizes now, not at the first request
+        return lambda: NgramDrafter(ngram_max, ngram_min)
+    if name == "layerskip":
+        from specdecode.drafters.layerskip import (
+            LayerSkipDrafter,
+            cached_calibration,
+            check_layers,
+            default_budget,
+        )
+
+        check_layers(target, range(target.cfg.num_layers))  # a native runner at all?
+        kept = tuple(layers) if layers is not None else cached_calibration(
+            target, tokenizer, default_budget(target)
+        ).layers
+        check_layers(target, kept)
+        return lambda: LayerSkipDrafter(target, kept, capacity)
     if name == "int8":
         if getattr(target, "backend", "") != "native":
             raise SpecDecodeError("the int8 drafter needs a target on the native runner")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +42,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: (B, H, T, D); cos, sin: (B, 1, T, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, in three elementwise kernels.
+
+    x: (B, T, heads, D); cos, sin_signed: (B, T, 1, D) with sin_signed = cat(-sin, sin) over the
+    two halves, so rotate_half(x) * sin == swap_halves(x) * sin_signed bit for bit.
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
+    return x * cos + swapped * sin_signed
 
 
 class Block(nn.Module):
@@ -54,60 +58,71 @@ class Block(nn.Module):
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
-        self.o = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qkv: nn.Module = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
+        self.o: nn.Module = nn.Linear(q, cfg.hidden_size, bias=False)
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: nn.Module = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down: nn.Module = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(
         self,
-        x: torch.Tensor,  # (B, T, H)
-        cos: torch.Tensor,  # (B, 1, T, D)
-        sin: torch.Tensor,
+        x: torch.Tensor,  # (B * T, H): rows of the batch, flattened
+        step: _Step,
         layer_cache: tuple[torch.Tensor, torch.Tensor],  # each (B, KVH, S, D)
-        write: tuple[slice, ...] | tuple[torch.Tensor, torch.Tensor],
-        used: int,
-        mask: torch.Tensor | None,  # (B, 1, T, used) bool
     ) -> torch.Tensor:
         cfg = self.cfg
-        B, T, _ = x.shape
+        B, T = step.batch, step.new
+        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = F.rms_norm(x, (cfg.hidden_size,), self.attn_norm, cfg.rms_norm_eps)
-        qkv = self.qkv(h)  # (B, T, (NH + 2 KVH) D)
-        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q = qkv[..., :nq].view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = qkv[..., nq : nq + nkv].view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = qkv[..., nq + nkv :].view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv(h)  # (B * T, (NH + 2 KVH) D)
+        qk = apply_rope(qkv[:, : (nh + kvh) * d].view(B, T, nh + kvh, d), step.cos, step.sin)
+        q = qk[:, :, :nh].transpose(1, 2)  # (B, NH, T, D)
+        k = qk[:, :, nh:].transpose(1, 2)  # (B, KVH, T, D)
+        v = qkv[:, (nh + kvh) * d :].view(B, T, kvh, d).transpose(1, 2)
         ck, cv = layer_cache
-        if isinstance(write[0], slice):
-            ck[:, :, write[0]] = k
-            cv[:, :, write[0]] = v
+        if isinstance(step.write, slice):
+            ck[:, :, step.write] = k
+            cv[:, :, step.write] = v
         else:  # ragged rows: per-row destinations (B, T)
-            rows, slots = write
+            rows, slots = step.write
             ck[rows, :, slots] = k.transpose(1, 2)
             cv[rows, :, slots] = v.transpose(1, 2)
         attn = F.scaled_dot_product_attention(
-            q, ck[:, :, :used], cv[:, :, :used], attn_mask=mask, enable_gqa=True
+            q, ck[:, :, : step.used], cv[:, :, : step.used], attn_mask=step.mask, enable_gqa=True
         )  # (B, NH, T, D)
-        x = x + self.o(attn.transpose(1, 2).reshape(B, T, nq))
+        x = x + self.o(attn.transpose(1, 2).reshape(B * T, nh * d))
         h = F.rms_norm(x, (cfg.hidden_size,), self.mlp_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every block of one forward pass shares: shapes, RoPE tables, KV slots, mask."""
+
+    batch: int
+    new: int  # T: new positions per row
+    cos: torch.Tensor  # (B, T, 1, D)
+    sin: torch.Tensor  # (B, T, 1, D), signed: cat(-sin, sin)
+    write: slice | tuple[torch.Tensor, torch.Tensor]  # cache slots of the new keys and values
+    used: int  # cache slots attended over: max length + T
+    mask: torch.Tensor | None  # (B, 1, T, used) bool, True = may attend; None = plain causal T=1
+
+
 class LlamaModel(nn.Module):
-    """The native runner. `backend` names the path users see in reports."""
+    """The native runner. `backend` names the path users see in reports; `precision` is fp32
+    unless the model came from `with_precision`."""
 
     backend = "native"
+    precision = "fp32"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.inv_freq: torch.Tensor
@@ -115,6 +130,7 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of activations and of the KV cache (fp32 at every precision)."""
         return self.norm.dtype
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
@@ -124,10 +140,39 @@ class LlamaModel(nn.Module):
             dtype=self.dtype, device=self.norm.device,
         )
 
+    def with_precision(self, precision: str) -> LlamaModel:
+        """A copy whose weight matrices run at `precision` ("bf16" or "int8", see
+        models.precision); norms are shared with self, which is left unchanged."""
+        from specdecode.models import precision as prec
+
+        with torch.device("meta"):
+            new = LlamaModel(self.cfg)
+        new.precision = precision
+        new.norm, new.inv_freq = self.norm, self.inv_freq
+        for src, dst in zip(self.layers, new.layers, strict=True):
+            dst.attn_norm, dst.mlp_norm = src.attn_norm, src.mlp_norm
+            for name in ("qkv", "o", "gate_up", "down"):
+                w, b = prec.float_weight(getattr(src, name))
+                setattr(dst, name, prec.PackedLinear(precision, w, b))
+        embed = prec.float_weight(self.embed)[0]
+        new.embed = prec.Bf16Embedding(embed) if precision == "bf16" else prec.Int8Embedding(embed)
+        new.lm_head = prec.PackedLinear(precision, prec.float_weight(self.lm_head)[0], None)
+        return new.eval()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: tensors (each once) plus packed matrices."""
+        seen = {t.data_ptr(): t.numel() * t.element_size()
+                for t in [*self.parameters(), *self.buffers()]}
+        packed = sum(getattr(m, "nbytes", 0) for m in self.modules() if m is not self)
+        return sum(seen.values()) + packed
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (see apply_rope), each (B, T, 1, D)."""
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # (B, T, 1, D)
+        cos, sin = emb.cos(), emb.sin()
+        sin[..., : self.cfg.head_dim // 2].neg_()
+        return cos, sin
 
     def _mask(
         self, lengths: list[int], T: int, used: int, tree_mask: torch.Tensor | None
@@ -178,25 +223,26 @@ class LlamaModel(nn.Module):
             positions = base + torch.arange(T, device=tokens.device)[None, :]
         cos, sin = self._rope(positions)
         used = max(lengths) + T
-        mask = self._mask(lengths, T, used, tree_mask)
-        write: tuple[slice, ...] | tuple[torch.Tensor, torch.Tensor]
+        write: slice | tuple[torch.Tensor, torch.Tensor]
         if all(n == lengths[0] for n in lengths):
-            write = (slice(lengths[0], lengths[0] + T),)
+            write = slice(lengths[0], lengths[0] + T)
         else:
             slots = torch.tensor(lengths)[:, None] + torch.arange(T)[None, :]
             write = (torch.arange(B)[:, None].expand(B, T), slots)
-        x = self.embed(tokens)  # (B, T, H)
+        step = _Step(B, T, cos, sin, write, used, self._mask(lengths, T, used, tree_mask))
+        x = self.embed(tokens).view(B * T, -1)  # (B * T, H)
         for i in layers if layers is not None else range(len(self.layers)):
-            x = self.layers[i](x, cos, sin, (cache.k[i], cache.v[i]), write, used, mask)
+            x = self.layers[i](x, step, (cache.k[i], cache.v[i]))
         for b in range(B):
             cache.lengths[b] += T if num_new is None else int(num_new[b])
-        x = F.rms_norm(x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
+        x = x.view(B, T, -1)
         if return_hidden:
-            return x
+            return F.rms_norm(x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         if isinstance(logits_for, torch.Tensor):
             x = x[:, logits_for]
         elif logits_for == "last":
             x = x[:, -1:]
         elif logits_for == "none":
             return x[:, :0, :0]
+        x = F.rms_norm(x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float()  # (B, T', V)

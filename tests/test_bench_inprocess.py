@@ -1,0 +1,251 @@
+"""The in-process runner on the real engine: a small random checkpoint through the harness, and
+SmolLM2 end to end."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from specdecode import engine
+from specdecode.bench.harness import BenchOptions, run_bench
+from specdecode.bench.inprocess import (
+    InProcessRunner,
+    RequestTrace,
+    TurnRequest,
+    conversation_text,
+    generate_one,
+    weight_bytes,
+)
+from specdecode.bench.records import ConfigSpec, RequestSample
+from specdecode.bench.workloads import Prompt, Workload
+from specdecode.engine import Generation, StepOutput
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import LoadedModel, load_model
+from specdecode.sampling import SamplingParams
+from tests.conftest import make_checkpoint
+from tests.drafters_scripted import ScriptedDrafter
+
+PLAIN = ConfigSpec("plain")
+INT8 = ConfigSpec("int8-k2", "int8", 2)
+NGRAM = ConfigSpec("ngram-k3", "ngram", 3)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread: on 2 shared cores, two threads contend badly with other processes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(make_checkpoint(tmp_path_factory.mktemp("tiny") / "ck")))
+
+
+def tiny_prompts() -> list[Prompt]:
+    return [
+        Prompt("rep", "code", ["t5 t6 t7 t8 t5 t6 t7 t8 t5 t6"]),
+        Prompt("conv", "chat", ["t9 t10 t11", "t12 t13"]),
+        Prompt("hot", "creative", ["t20 t21 t22"], temperature=0.8),
+    ]
+
+
+def workload_of(prompts: Sequence[Prompt]) -> Workload:
+    return Workload("tiny", "memory", list(prompts))
+
+
+def options(path: Path, **kw: Any) -> BenchOptions:
+    return BenchOptions(path, progress=False, n_resamples=200, **kw)
+
+
+# ------------------------------------------------------------------------- timing attribution
+
+
+def test_trace_attributes_a_step_of_m_tokens_as_its_time_then_zeros() -> None:
+    trace = RequestTrace(start=10.0)
+    trace.observe(StepOutput([5, 6, 7], "a", None), 10.5)
+    trace.observe(StepOutput([], "", None), 10.6)
+    trace.observe(StepOutput([8], "b", None), 10.9)
+    trace.observe(StepOutput([9, 4], "c", "length"), 11.0)
+    assert trace.ttft == pytest.approx(0.5)
+    assert trace.itl == pytest.approx([0.0, 0.0, 0.4, 0.1, 0.0])
+    assert trace.done == 11.0 and "".join(trace.text) == "abc"
+    assert trace.ttft + sum(trace.itl) == pytest.approx(trace.done - trace.start)
+
+
+def _plain_output(m: LoadedModel, ids: list[int], n: int) -> list[int]:
+    gen = Generation(m.model, m.tokenizer, ids, SamplingParams(max_tokens=n))
+    for _ in gen.run():
+        pass
+    return gen.output
+
+
+@pytest.mark.parametrize("mode", ["perfect", "wrong"])
+def test_generate_one_counts_rejections_and_bursts(tiny: LoadedModel, mode: str) -> None:
+    ids = tiny.tokenizer.encode("t5 t6 t7")
+    script = _plain_output(tiny, ids, 12)
+    drafter = ScriptedDrafter(script, len(ids), mode, vocab=96)
+    request = TurnRequest(Prompt("p", "c", ["x"]), 0, ids, SamplingParams(max_tokens=12))
+    done = generate_one(tiny.model, tiny.tokenizer, request, drafter, 3, ())
+    c = done.counters
+    assert done.tokens == script
+    if mode == "perfect":
+        assert done.rejections == 0 and c.accepted == c.drafted
+        assert done.trace.itl.count(0.0) == len(script) - c.steps  # m - 1 zeros per step
+    else:
+        assert c.accepted == 0 and done.rejections == c.drafted_per_pos[0] == c.steps - 1
+        assert 0.0 not in done.trace.itl
+    assert len(done.trace.itl) == len(done.tokens) - 1
+    assert done.draft_kv == 0 and done.target_kv > 0
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_tiny_end_to_end_through_the_harness(tiny: LoadedModel, tmp_path: Path) -> None:
+    runner = InProcessRunner(tiny, default_max_tokens=12)
+    configs = [PLAIN, INT8, NGRAM]
+    runner.fit_capacity(tiny_prompts(), 3)
+    runner.check(configs)
+    outcome = run_bench(runner, workload_of(tiny_prompts()), configs, options(tmp_path / "o"),
+                        out=io.StringIO())
+    results = outcome.analysis.results
+    report = json.loads(outcome.report_json.read_text())
+    assert len(report["samples"]) == 12 and "<svg" in outcome.report_html.read_text()
+    for s in results.samples:
+        assert not s.problems() and 1 <= s.output_tokens <= 12
+        assert s.ttft_s + sum(s.itl_s) <= s.latency_s + 1e-9
+        assert s.prefill_s + s.draft_s + s.target_s + s.verify_s <= s.latency_s
+        assert s.steps >= 1 and (s.drafted == 0 if s.config == "plain" else True)
+        assert s.drafted > 0 or s.config != "int8-k2"  # n-gram lookup may find no match
+        assert (s.temperature == 0.8) == (s.prompt_id == "hot")
+    by = {(s.config, s.prompt_id, s.turn): s for s in results.samples}
+    first, second = by[("plain", "conv", 0)], by[("plain", "conv", 1)]
+    assert second.prompt_tokens == first.prompt_tokens + first.output_tokens + 2
+    audits = {a.config: a for a in outcome.analysis.audits}
+    assert audits["int8-k2"].passed and audits["int8-k2"].n_compared == 3
+    assert audits["ngram-k3"].passed and audits["ngram-k3"].method == "greedy-token-identity"
+    memory = {m.config: m for m in results.memory}
+    assert memory["int8-k2"].draft_weights > 0 and memory["int8-k2"].draft_kv > 0
+    assert memory["ngram-k3"].draft_weights == 0 == memory["plain"].draft_kv
+    assert memory["plain"].target_weights == weight_bytes(tiny.model) > 0
+    curves = {c.drafter: c for c in results.cost_curves}
+    assert curves["int8"].k == [1, 2] and curves["ngram"].k == [1, 2, 3]
+    assert all(c > 0 for c in curves["int8"].c) and curves["int8"].v[0] > 0
+
+
+class Interrupting(InProcessRunner):
+    """Records timed run() calls; raises KeyboardInterrupt (Ctrl-C) on call `after` + 1
+    (never when `after` < 0)."""
+
+    def __init__(self, loaded: LoadedModel, after: int, **kw: Any) -> None:
+        super().__init__(loaded, **kw)
+        self.after = after
+        self.timed: list[tuple[str, str]] = []
+
+    def run(self, prompts: Sequence[Prompt], config: ConfigSpec) -> list[RequestSample]:
+        if not prompts[0].id.startswith("warmup-"):
+            if 0 <= self.after <= len(self.timed):
+                raise KeyboardInterrupt
+            self.timed.append((config.name, prompts[0].id))
+        return super().run(prompts, config)
+
+
+def test_resume_measures_only_what_is_missing(tiny: LoadedModel, tmp_path: Path) -> None:
+    prompts, configs = tiny_prompts()[:2], [PLAIN, INT8]
+    first = Interrupting(tiny, after=2, default_max_tokens=8)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(first, workload_of(prompts), configs, options(tmp_path), out=io.StringIO())
+    second = Interrupting(tiny, after=-1, default_max_tokens=8)
+    outcome = run_bench(second, workload_of(prompts), configs, options(tmp_path, resume=True),
+                        out=io.StringIO())
+    assert len(first.timed) == 2 and len(second.timed) == 2
+    assert not set(first.timed) & set(second.timed)
+    units = [s.unit for s in outcome.analysis.results.samples]
+    assert len(units) == len(set(units)) == 6
+    assert (outcome.resumed, outcome.measured) == (2, 4)  # rep: 1 turn, conv: 2 turns
+
+
+# -------------------------------------------------------------------------- refusals, batch
+
+
+def test_batch_above_one_is_refused_without_the_batched_engine(tiny: LoadedModel) -> None:
+    assert not hasattr(engine, "run_batch"), "update this test: the batched engine exists"
+    runner = InProcessRunner(tiny)
+    with pytest.raises(SpecDecodeError, match="run_batch"):
+        runner.run(tiny_prompts()[:2], ConfigSpec("plain", batch_size=2))
+    with pytest.raises(SpecDecodeError, match="batched engine"):
+        runner.check([ConfigSpec("plain", batch_size=4)])
+    with pytest.raises(SpecDecodeError, match="controller"):
+        runner.check([ConfigSpec("ngram-auto", "ngram", "auto")])
+    with pytest.raises(SpecDecodeError, match="takes no option 'colour'"):
+        runner.check([ConfigSpec("ngram-x", "ngram", 2, options={"colour": 1})])
+
+
+def test_batch_goes_through_run_batch_when_the_engine_has_it(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in run_batch (sequential inside) checks the adapter's side of the contract."""
+
+    def run_batch(model: Any, tokenizer: Any, requests: list[Any], factory: Any, k: int,
+                  eos_ids: tuple[int, ...], on_step: Any = None) -> list[Any]:
+        out = []
+        for i, r in enumerate(requests):
+            gen = Generation(model, tokenizer, r.prompt_ids, r.params,
+                             factory() if factory else None, k, eos_ids)
+            for step in gen.run():
+                on_step(i, step)
+            gen.counters.rejections = 0  # type: ignore[attr-defined]
+            out.append(SimpleNamespace(output=gen.output, counters=gen.counters, cache=None))
+        return out
+
+    monkeypatch.setattr(engine, "run_batch", run_batch, raising=False)
+    monkeypatch.setattr(engine, "BatchRequest", lambda ids, params: SimpleNamespace(
+        prompt_ids=ids, params=params), raising=False)
+    samples = InProcessRunner(tiny, default_max_tokens=6).run(
+        tiny_prompts()[:2], ConfigSpec("plain", batch_size=2))
+    assert [(s.prompt_id, s.turn, s.batch_size) for s in samples] == [
+        ("rep", 0, 2), ("conv", 0, 2), ("conv", 1, 2)]
+    assert all(not s.problems() and s.output_tokens == 6 for s in samples)
+
+
+def test_conversation_uses_the_chat_template_with_earlier_replies() -> None:
+    seen: list[list[dict[str, str]]] = []
+    tok = SimpleNamespace(chat_template="x", apply_chat_template=lambda m: seen.append(m) or "T")
+    assert conversation_text(tok, ["a", "b"], ["r"], chat=True) == "T"  # type: ignore[arg-type]
+    assert seen == [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "r"},
+                     {"role": "user", "content": "b"}]]
+    assert conversation_text(tok, ["a", "b"], ["r"], chat=False) == "a\n\nr\n\nb"  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.mark.slow
+def test_smollm_end_to_end_plain_and_int8(smollm: LoadedModel, tmp_path: Path) -> None:
+    prompts = [Prompt("qa", "qa", ["What is the boiling point of water at sea level?"]),
+               Prompt("code", "code", ["Write a Python function that reverses a string."])]
+    runner = InProcessRunner(smollm, max_tokens_cap=8)
+    configs = [PLAIN, INT8]
+    runner.fit_capacity(prompts, 2)
+    runner.check(configs)
+    outcome = run_bench(runner, workload_of(prompts), configs, options(tmp_path),
+                        out=io.StringIO())
+    samples = outcome.analysis.results.samples
+    assert len(samples) == 4 and all(s.output_tokens == 8 for s in samples)
+    raw = len(smollm.tokenizer.encode(prompts[0].turns[0]))
+    assert all(s.prompt_tokens > raw + 5 for s in samples if s.prompt_id == "qa")  # template
+    audit = next(a for a in outcome.analysis.audits if a.config == "int8-k2")
+    assert audit.passed and audit.n_compared == 2
+    memory = {m.config: m for m in outcome.analysis.results.memory}
+    assert 0 < memory["int8-k2"].draft_weights < memory["int8-k2"].target_weights
+    assert outcome.report_html.exists() and "int8-k2" in outcome.summary

@@ -1,0 +1,104 @@
+"""The recommendation: on only where the speedup CI is above 1 and the audit passed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from specdecode.bench.harness import config_grid, make_header
+from specdecode.bench.recommend import recommend, vllm_speculative_config
+from specdecode.bench.records import ConfigSpec
+from specdecode.bench.stats import analyze
+from specdecode.bench.store import Results
+from tests.test_bench_fakes import FakeRunner, linear_v, make_prompts, ngram, plain, workload_of
+
+
+def measure(runner: FakeRunner, configs: list[ConfigSpec], n_prompts: int = 12) -> Results:
+    prompts = make_prompts(n_prompts)
+    results = Results(header=make_header(runner.describe(), workload_of(prompts), configs, 0))
+    for c in configs:
+        for start in range(0, len(prompts), c.batch_size):
+            for s in runner.run(prompts[start:start + c.batch_size], c):
+                results.add(dataclasses.replace(s, group=start))
+    return results
+
+
+def test_turns_speculation_off_above_the_batch_size_where_it_stops_winning() -> None:
+    # v(B, k) = 1.05 + 0.2 (B - 1) k: predicted S ~ 2.2, 1.35, 0.75, 0.4 at B = 1, 2, 4, 8
+    runner = FakeRunner(alpha={"ngram": 0.7}, v=linear_v(1.05, 0.2))
+    configs = config_grid([plain(), ngram()], [1, 2, 4, 8])
+    analysis = analyze(measure(runner, configs), n_resamples=300)
+    speedups = {b: analysis.summary("ngram-k4", b).speedup.total_ratio  # type: ignore[union-attr]
+                for b in (1, 2, 4, 8)}
+    assert speedups[2].low > 1.0 and speedups[4].high < 1.0  # the setup does what it says
+    rec = recommend(analysis)
+    assert rec.enable and rec.config == "ngram-k4" and rec.drafter == "ngram" and rec.k == 4
+    assert rec.batch_sizes_on == [1, 2] and rec.turn_off_above == 2
+    assert rec.vllm_config == {"method": "ngram", "num_speculative_tokens": 4,
+                               "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    text = rec.render()
+    assert "turn it off above batch size 2" in text
+    assert f"{speedups[4].estimate:.2f}x" in text  # the evidence quotes the numbers
+    assert json.loads(rec.vllm_json or "") == rec.vllm_config
+
+
+def test_wins_everywhere_means_no_cap() -> None:
+    runner = FakeRunner(alpha={"ngram": 0.8})
+    analysis = analyze(measure(runner, config_grid([plain(), ngram()], [1, 2])), n_resamples=200)
+    rec = recommend(analysis)
+    assert rec.enable and rec.batch_sizes_on == [1, 2] and rec.turn_off_above is None
+
+
+def test_point_estimate_above_one_is_not_enough() -> None:
+    # spec latency = plain latency / 1.1 times large per-request noise: S ~ 1.05, CI spans 1
+    runner = FakeRunner()
+    results = measure(runner, [plain(), ngram()], n_prompts=12)
+    rng = np.random.default_rng(4)
+    plain_lat = {(s.prompt_id, s.turn): s.latency_s for s in results.samples
+                 if s.config == "plain"}
+    results.samples = [
+        s if s.config == "plain" else dataclasses.replace(
+            s, latency_s=plain_lat[(s.prompt_id, s.turn)] / 1.1 * float(np.exp(rng.normal(0, 0.3))))
+        for s in results.samples]
+    analysis = analyze(results, n_resamples=300)
+    ratio = analysis.summary("ngram-k4", 1).speedup.total_ratio  # type: ignore[union-attr]
+    assert ratio.estimate > 1.0 > ratio.low  # the precondition of this test
+    assert not recommend(analysis).enable
+
+
+def test_failed_audit_blocks_an_otherwise_fast_config() -> None:
+    runner = FakeRunner(alpha={"ngram": 0.8}, corrupt={"ngram-k4"})
+    analysis = analyze(measure(runner, [plain(), ngram()]), n_resamples=200)
+    assert analysis.summary("ngram-k4", 1).speedup.total_ratio.low > 1  # type: ignore[union-attr]
+    rec = recommend(analysis)
+    assert not rec.enable and "audit FAILED" in rec.render()
+
+
+def test_no_audit_verdict_blocks_too() -> None:
+    # everything sampled at temperature 1: no greedy identity check, and the fake has no audit
+    configs = [dataclasses.replace(c, temperature=1.0) for c in (plain(), ngram())]
+    analysis = analyze(measure(FakeRunner(alpha={"ngram": 0.8}), configs), n_resamples=200)
+    assert analysis.audit_passed("ngram-k4", 1) is None
+    rec = recommend(analysis)
+    assert not rec.enable and "no audit verdict" in rec.render()
+
+
+def test_best_of_several_drafters_is_chosen() -> None:
+    draft = ConfigSpec("draft-k3", drafter="draft_model", k=3, options={"model": "/m/tiny"})
+    runner = FakeRunner(alpha={"ngram": 0.5, "draft_model": 0.9})
+    rec = recommend(analyze(measure(runner, [plain(), ngram(), draft]), n_resamples=200))
+    assert rec.config == "draft-k3"
+    assert rec.vllm_config == {"method": "draft_model", "model": "/m/tiny",
+                               "num_speculative_tokens": 3}
+
+
+def test_vllm_mapping_of_other_drafters() -> None:
+    eagle = ConfigSpec("e", drafter="eagle", k=5, options={"model": "org/eagle-head"})
+    assert vllm_speculative_config(eagle, 5)[0] == {
+        "method": "eagle", "model": "org/eagle-head", "num_speculative_tokens": 5}
+    cfg, note = vllm_speculative_config(ConfigSpec("n", drafter="ngram", k=2), 2)
+    assert cfg == {"method": "ngram", "num_speculative_tokens": 2} and "prompt_lookup" in note
+    cfg, note = vllm_speculative_config(ConfigSpec("s", drafter="self_spec", k=2), 2)
+    assert cfg is None and "no equivalent" in note

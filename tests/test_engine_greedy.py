@@ -1,0 +1,78 @@
+"""Greedy speculative decoding is token-identical to plain decoding on SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.drafters.registry import drafter_factory
+from specdecode.engine import Generation
+from specdecode.models.loading import LoadedModel
+from specdecode.sampling import SamplingParams
+from tests.drafters_scripted import ScriptedDrafter
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+TOKENS = 32
+
+
+def _run(m: LoadedModel, prompt_ids: list[int], drafter: object, k: int) -> Generation:
+    gen = Generation(m.model, m.tokenizer, prompt_ids, SamplingParams(max_tokens=TOKENS),
+                     drafter, k, m.tokenizer.eos_ids)  # type: ignore[arg-type]
+    for _ in gen.run():
+        pass
+    return gen
+
+
+@pytest.fixture(scope="module")
+def plain(smollm: LoadedModel) -> tuple[list[int], list[int]]:
+    ids = smollm.tokenizer.encode(smollm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}]))
+    return ids, _run(smollm, ids, None, 0).output
+
+
+@pytest.mark.parametrize("mode", ["perfect", "wrong", "partial"])
+@pytest.mark.parametrize("k", range(1, 9))
+def test_scripted_drafters_are_token_identical(
+    smollm: LoadedModel, plain: tuple[list[int], list[int]], mode: str, k: int
+) -> None:
+    ids, expected = plain
+    right_for = (k + 1) // 2
+    drafter = ScriptedDrafter(expected, len(ids), mode, right_for=right_for)
+    gen = _run(smollm, ids, drafter, k)
+    assert gen.output == expected
+    c = gen.counters
+    if mode == "perfect":
+        assert c.steps <= -(-TOKENS // (k + 1)) + 1 and c.accepted >= TOKENS - c.steps
+    elif mode == "wrong":
+        assert c.accepted == 0 and c.steps == len(expected)
+    else:
+        assert c.accepted > 0 and c.accepted_per_pos[right_for:] == [0] * (k - right_for)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_int8_drafter_is_token_identical(
+    smollm: LoadedModel, plain: tuple[list[int], list[int]], k: int
+) -> None:
+    ids, expected = plain
+    factory = drafter_factory("int8", smollm.model)
+    assert factory is not None
+    gen = _run(smollm, ids, factory(), k)
+    assert gen.output == expected
+    assert gen.counters.accepted > 0
+
+
+def test_wrong_drafter_is_caught_by_the_identity_check(
+    smollm: LoadedModel, plain: tuple[list[int], list[int]]
+) -> None:
+    """The identity test can fail: accepting every draft token (no verification) changes text."""
+    ids, expected = plain
+    gen = _run(smollm, ids, ScriptedDrafter(expected, len(ids), "wrong"), 4)
+    import specdecode.engine as engine
+
+    original = engine.verify_greedy
+    try:
+        engine.verify_greedy = lambda target, draft: original(draft.new_tensor(  # type: ignore
+            [*draft.tolist(), int(target[-1])]), draft)
+        broken = _run(smollm, ids, ScriptedDrafter(expected, len(ids), "wrong"), 4)
+    finally:
+        engine.verify_greedy = original
+    assert gen.output == expected and broken.output != expected
