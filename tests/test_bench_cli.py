@@ -171,3 +171,11 @@ def test_tune_prints_the_pick_and_the_vllm_setting(ckpt: Path, tmp_path: Path) -
     assert [r[1] for r in rows] == ["1", "3"]
     assert "pick: ngram k=" in out and '"method": "ngram"' in out
     assert (tmp_path / "t" / "report.json").exists()
+
+
+def test_tune_spreads_its_prompts_over_the_categories() -> None:
+    from specdecode.bench.workloads import Prompt
+
+    prompts = [Prompt(i, i[0], ["t5"]) for i in ("a0", "a1", "b0", "a2", "c0")]
+    assert [p.id for p in commands.round_robin(prompts, 4)] == ["a0", "b0", "c0", "a1"]
+    assert [p.id for p in commands.round_robin(prompts, 9)] == ["a0", "b0", "c0", "a1", "a2"]

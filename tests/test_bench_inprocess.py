@@ -76,6 +76,7 @@ def test_trace_attributes_a_step_of_m_tokens_as_its_time_then_zeros() -> None:
     trace.observe(StepOutput([], "", None), 10.6)
     trace.observe(StepOutput([8], "b", None), 10.9)
     trace.observe(StepOutput([9, 4], "c", "length"), 11.0)
+    assert trace.ttft is not None and trace.done is not None
     assert trace.ttft == pytest.approx(0.5)
     assert trace.itl == pytest.approx([0.0, 0.0, 0.4, 0.1, 0.0])
     assert trace.done == 11.0 and "".join(trace.text) == "abc"
@@ -220,7 +221,12 @@ def test_batch_goes_through_run_batch_when_the_engine_has_it(
 
 def test_conversation_uses_the_chat_template_with_earlier_replies() -> None:
     seen: list[list[dict[str, str]]] = []
-    tok = SimpleNamespace(chat_template="x", apply_chat_template=lambda m: seen.append(m) or "T")
+
+    def apply(messages: list[dict[str, str]]) -> str:
+        seen.append(messages)
+        return "T"
+
+    tok = SimpleNamespace(chat_template="x", apply_chat_template=apply)
     assert conversation_text(tok, ["a", "b"], ["r"], chat=True) == "T"  # type: ignore[arg-type]
     assert seen == [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "r"},
                      {"role": "user", "content": "b"}]]

@@ -49,6 +49,16 @@ CODE_PROMPT = (
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread for this module: on a shared 2-core machine two threads fighting other
+    processes run a forward pass several times slower (plain and speculative runs alike)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------------
 # Matching rules
 # ---------------------------------------------------------------------------------------------
@@ -187,15 +197,6 @@ def tiny_model(folder: Path) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls run several times faster on one thread than fighting for two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def exact_two_tokens(
     model: torch.nn.Module, prompt: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +266,7 @@ def test_audit_sample_size_is_moderate() -> None:
 
 
 def test_sampled_output_is_distributed_as_the_target(
-    tiny_and_prompt: tuple[torch.nn.Module, list[int]], one_thread: None
+    tiny_and_prompt: tuple[torch.nn.Module, list[int]],
 ) -> None:
     model, prompt = tiny_and_prompt
     factory = drafter_factory("ngram", model)
@@ -276,7 +277,7 @@ def test_sampled_output_is_distributed_as_the_target(
 
 
 def test_audit_catches_an_ngram_drafter_that_reports_a_q(
-    tiny_and_prompt: tuple[torch.nn.Module, list[int]], one_thread: None
+    tiny_and_prompt: tuple[torch.nn.Module, list[int]],
 ) -> None:
     model, prompt = tiny_and_prompt
     first_p, pair_p, _, _ = audit(model, prompt, lambda: LyingNgram(3, 1), 2, seed=20_000)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from specdecode.bench.records import ConfigSpec
-from specdecode.bench.workloads import Workload, load_default_workload, load_workload
+from specdecode.bench.workloads import Prompt, Workload, load_default_workload, load_workload
 from specdecode.errors import SpecDecodeError
 
 DEFAULT_LIMIT_PER_CATEGORY = 1  # built-in workload: one prompt of each of its 6 categories
@@ -349,13 +349,27 @@ def tune_configs(drafters: Sequence[str], k_values: Sequence[int], precision: st
     return configs
 
 
+def round_robin(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
+    """Up to n prompts taking one of each category in turn (categories in order of appearance)."""
+    queues: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        queues.setdefault(p.category, []).append(p)
+    picked: list[Prompt] = []
+    while len(picked) < n and any(queues.values()):
+        for queue in queues.values():
+            if queue and len(picked) < n:
+                picked.append(queue.pop(0))
+    return picked
+
+
 def tune_workload(args: argparse.Namespace) -> Workload:
-    """A few greedy prompts of different categories (default: from the built-in workload)."""
-    workload = select_workload(args.workload, args.categories, 1, args.strict)
+    """--prompts greedy prompts, spread over the categories (default: the built-in workload)."""
+    cats = parse_categories(args.categories)
+    workload = load_default_workload(cats) if args.workload is None else load_workload(
+        args.workload, categories=cats, strict=args.strict)
     greedy = [p for p in workload.prompts if p.temperature is None] or workload.prompts
-    prompts = greedy[:args.prompts]
-    return Workload(f"{workload.name}-tune", workload.path, prompts, workload.skipped,
-                    workload.categories, 1)
+    return Workload(f"{workload.name}-tune", workload.path, round_robin(greedy, args.prompts),
+                    workload.skipped, workload.categories)
 
 
 def plan_tune(args: argparse.Namespace, err: TextIO) -> BenchPlan:
@@ -522,7 +536,8 @@ def add_tune_parser(sub: Any) -> None:
     t.add_argument("--draft-model", default=None, help="draft checkpoint for draft-model")
     t.add_argument("--k-values", default=TUNE_K_VALUES, help=f"default {TUNE_K_VALUES}")
     t.add_argument("--prompts", type=int, default=TUNE_PROMPTS,
-                   help=f"calibration prompts, one per category (default {TUNE_PROMPTS})")
+                   help=f"calibration prompts, spread over the categories (default "
+                        f"{TUNE_PROMPTS})")
     t.add_argument("--max-tokens", type=int, default=TUNE_MAX_TOKENS,
                    help=f"tokens per calibration request (default {TUNE_MAX_TOKENS})")
     _add_run_args(t, "output folder (default: runs/tune-<UTC timestamp>)")

@@ -1,0 +1,141 @@
+"""How closely a target precision follows fp32: teacher-forced top-1 agreement and mean KL.
+
+Both models read the same token ids (teacher forcing: every position is conditioned on the
+reference text, never on the candidate's own choices), in blocks of `chunk` positions over a KV
+cache, the way speculative decoding scores drafts. At each position we compare the next-token
+distributions: top-1 agreement is the share of positions whose argmax is the same; KL is
+KL(p_fp32 || p_candidate) in nats, averaged over positions.
+
+Free-running greedy agreement (how many generated tokens match) is lower than top-1 agreement:
+one disagreement sends the two continuations apart for good.
+
+    python -m specdecode.agreement [--model PATH] [--precisions bf16,int8] [--chunk 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+BUILTIN_TEXT = (
+    "The lighthouse keeper's daughter learned to read the weather before she learned to read "
+    "books. Every morning she climbed the one hundred and twelve steps to the lamp room, wiped "
+    "the salt from the windows, and wrote three numbers in a green notebook: the pressure, the "
+    "direction of the wind, and the height of the swell against the north rocks. Her father "
+    "said the notebook was a waste of ink, because the sea would do what it wanted anyway.\n\n"
+    "\"Then why do you light the lamp?\" she asked him once.\n\n"
+    "\"Because ships are not the sea,\" he said. \"Ships listen.\"\n\n"
+    "Years later, when the lamp was replaced by an automatic beacon and the keeper's cottage "
+    "became a small museum, the green notebooks were found in a wooden chest under the stairs. "
+    "There were forty-one of them. A meteorologist from the university spent a winter copying "
+    "the numbers into a spreadsheet and discovered that the girl had recorded, without knowing "
+    "it, the slow northward drift of the autumn storms over three decades.\n\n"
+    "To make bread the way her grandmother did, mix five hundred grams of flour with ten grams "
+    "of salt, add three hundred and fifty millilitres of warm water and a spoonful of starter, "
+    "and leave the dough covered overnight. In the morning, fold it four times, shape it into a "
+    "round loaf, and bake it in a hot oven for forty minutes, until the crust sounds hollow "
+    "when you knock on it.\n\n"
+    "Question: If a train leaves the station at nine fifteen and the journey takes two hours "
+    "and fifty minutes, when does it arrive?\nAnswer: It arrives at twelve oh five, because "
+    "two hours after nine fifteen is eleven fifteen, and fifty minutes later is twelve oh five."
+)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    precision: str
+    positions: int  # next-token distributions compared
+    top1: float  # share of positions whose argmax agrees with the reference's
+    mean_kl: float  # mean KL(p_reference || p_candidate), nats
+    max_kl: float
+    chunk: int  # positions scored per forward pass
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def teacher_forced_logits(model: Any, ids: Sequence[int], chunk: int) -> torch.Tensor:
+    """Logits (T, V) of `ids` scored `chunk` positions per forward pass over one KV cache."""
+    cache = model.new_cache(1, len(ids))
+    parts = []
+    with torch.inference_mode():
+        for i in range(0, len(ids), chunk):
+            parts.append(model(torch.tensor([list(ids[i : i + chunk])]), cache)[0])
+    return torch.cat(parts).float()
+
+
+def compare_logits(
+    reference: torch.Tensor, candidate: torch.Tensor
+) -> tuple[float, float, float]:
+    """(top-1 agreement, mean KL(p_ref || p_cand), max KL) over rows of (T, V) logits."""
+    if reference.shape != candidate.shape:
+        raise ValueError(f"logit shapes differ: {tuple(reference.shape)} vs "
+                         f"{tuple(candidate.shape)}")
+    logp = torch.log_softmax(reference.double(), dim=-1)
+    logq = torch.log_softmax(candidate.double(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(dim=-1)  # (T,)
+    top1 = (reference.argmax(dim=-1) == candidate.argmax(dim=-1)).double().mean()
+    return float(top1), float(kl.mean()), float(kl.max())
+
+
+def agreement(
+    reference: Any, candidate: Any, ids: Sequence[int], chunk: int = 8, precision: str = ""
+) -> Agreement:
+    """Teacher-forced agreement of `candidate` with `reference` on `ids` (see module doc).
+
+    The last position has no next token in `ids` but its distribution is compared too.
+    """
+    if len(ids) < 2:
+        raise ValueError("agreement needs at least two tokens")
+    ref = teacher_forced_logits(reference, ids, chunk)
+    cand = teacher_forced_logits(candidate, ids, chunk)
+    top1, mean_kl, max_kl = compare_logits(ref, cand)
+    name = precision or str(getattr(candidate, "precision", "?"))
+    return Agreement(name, len(ids), top1, mean_kl, max_kl, chunk)
+
+
+def precision_agreement(
+    model: Any, tokenizer: Any, precisions: Sequence[str] = ("bf16", "int8"),
+    text: str = BUILTIN_TEXT, chunk: int = 8,
+) -> list[Agreement]:
+    """Each precision's agreement with `model` (an fp32 native runner) on `text`."""
+    from specdecode.models.precision import apply_precision
+
+    ids = tokenizer.encode(text)
+    ref = teacher_forced_logits(model, ids, chunk)
+    results = []
+    for precision in precisions:
+        candidate = apply_precision(model, precision)
+        top1, mean_kl, max_kl = compare_logits(ref, teacher_forced_logits(candidate, ids, chunk))
+        results.append(Agreement(precision, len(ids), top1, mean_kl, max_kl, chunk))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from specdecode.models.loading import load_model
+
+    p = argparse.ArgumentParser(prog="python -m specdecode.agreement", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--precisions", default="bf16,int8")
+    p.add_argument("--chunk", type=int, default=8)
+    args = p.parse_args(argv)
+    loaded = load_model(args.model, "fp32", "native")
+    start = time.perf_counter()
+    rows = precision_agreement(loaded.model, loaded.tokenizer, args.precisions.split(","),
+                               chunk=args.chunk)
+    print(f"# agreement with fp32, {loaded.name}, teacher forced, {rows[0].positions} positions "
+          f"in blocks of {args.chunk} ({time.perf_counter() - start:.0f} s)")
+    print("precision  top-1 agreement  mean KL (nats)  max KL")
+    for r in rows:
+        print(f"{r.precision:9s}  {r.top1:15.4f}  {r.mean_kl:14.5f}  {r.max_kl:6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""The losslessness audit: does this configuration's output distribution equal the target's?
+
+Greedy configurations: speculative output must be token-identical to plain decoding, prompt by
+prompt. Sampled configurations: `samples` plain and `samples` speculative generations of the first
+`tokens` tokens (independent seeds) are compared as two categorical samples over whole token
+sequences. Outcomes are grouped into the `cells` most frequent sequences plus "other" (a grouped
+distribution: its TV distance is a lower bound on the full one). Reported: the estimated total-
+variation distance with a (1 - delta) upper confidence bound, and a two-sample chi-square p-value;
+the verdict fails when p < false_alarm, a rate the user states (default 1e-3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.drafters.base import Drafter
+from specdecode.engine import Generation
+from specdecode.sampling import SamplingParams
+from specdecode.stats import chi_square_homogeneity, required_samples, tv_two_sample
+
+Outcome = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    mode: str  # "greedy" or "sampled"
+    passed: bool
+    samples: int  # per side: generations (sampled) or prompts (greedy)
+    tokens: int  # tokens per outcome
+    false_alarm: float
+    p_value: float | None = None
+    tv_estimate: float | None = None
+    tv_upper: float | None = None
+    confidence: float | None = None
+    cells: int | None = None
+    mismatches: int = 0
+    acceptance_rate: float | None = None
+    detectable_tv: float | None = None  # TV this sample size catches with power 0.99
+
+    def render(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        if self.mode == "greedy":
+            return (f"audit (greedy): {verdict}: {self.samples - self.mismatches}/{self.samples} "
+                    f"prompts token-identical to plain decoding over {self.tokens} tokens")
+        acc = "n/a" if self.acceptance_rate is None else f"{self.acceptance_rate:.2f}"
+        return (
+            f"audit (sampled): {verdict}: first {self.tokens} tokens, {self.samples} plain vs "
+            f"{self.samples} speculative samples, {self.cells} outcome cells\n"
+            f"  estimated TV distance {self.tv_estimate:.3f}, upper bound {self.tv_upper:.3f} at "
+            f"{self.confidence:.0%} confidence\n"
+            f"  chi-square homogeneity p = {self.p_value:.3g} (fail below {self.false_alarm:g}); "
+            f"detects TV >= {self.detectable_tv:.2f} with power 0.99\n"
+            f"  speculative accepted/drafted during the audit: {acc}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _generate(model: Any, prompt: list[int], params: SamplingParams, drafter: Drafter | None,
+              k: int, eos: tuple[int, ...]) -> Generation:
+    gen = Generation(model, None, prompt, params, drafter, k, eos)
+    for _ in gen.run():
+        pass
+    gen.release()
+    return gen
+
+
+def audit_greedy(model: Any, prompts: list[list[int]], params: SamplingParams,
+                 make_drafter: Callable[[], Drafter], k: int, eos: tuple[int, ...] = ()
+                 ) -> AuditResult:
+    mismatches = 0
+    for prompt in prompts:
+        plain = _generate(model, prompt, params, None, 0, eos).output
+        spec = _generate(model, prompt, params, make_drafter(), k, eos).output
+        mismatches += plain != spec
+    return AuditResult("greedy", mismatches == 0, len(prompts), params.max_tokens, 0.0,
+                       mismatches=mismatches)
+
+
+def _grouped(a: Counter[Outcome], b: Counter[Outcome], cells: int) -> tuple[list[int], list[int]]:
+    top = [o for o, _ in (a + b).most_common(cells)]
+    rest_a = sum(a.values()) - sum(a[o] for o in top)
+    rest_b = sum(b.values()) - sum(b[o] for o in top)
+    return [a[o] for o in top] + [rest_a], [b[o] for o in top] + [rest_b]
+
+
+def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
+                  make_drafter: Callable[[], Drafter], k: int, samples: int, tokens: int = 2,
+                  false_alarm: float = 1e-3, cells: int = 30, seed: int = 0,
+                  eos: tuple[int, ...] = (), progress: Callable[[int], None] | None = None
+                  ) -> AuditResult:
+    plain: Counter[Outcome] = Counter()
+    spec: Counter[Outcome] = Counter()
+    drafted = accepted = 0
+    for i in range(samples):
+        p = dataclasses.replace(params, max_tokens=tokens, seed=seed + 2 * i)
+        plain[tuple(_generate(model, prompt, p, None, 0, eos).output)] += 1
+        p = dataclasses.replace(p, seed=seed + 2 * i + 1)
+        gen = _generate(model, prompt, p, make_drafter(), k, eos)
+        spec[tuple(gen.output)] += 1
+        drafted += gen.counters.drafted
+        accepted += gen.counters.accepted
+        if progress is not None:
+            progress(i + 1)
+    a, b = _grouped(plain, spec, cells)
+    test = chi_square_homogeneity(a, b)
+    tv = tv_two_sample(a, b, delta=0.05)
+    detectable = _detectable_tv(samples, false_alarm, len(a))
+    return AuditResult(
+        "sampled", test.p_value >= false_alarm, samples, tokens, false_alarm, test.p_value,
+        tv.estimate, tv.upper_bound, tv.confidence, len(a),
+        acceptance_rate=accepted / drafted if drafted else None, detectable_tv=detectable,
+    )
+
+
+def _detectable_tv(samples: int, false_alarm: float, cells: int) -> float:
+    """Smallest TV on a 0.01 grid that `samples` per side detect with power 0.99."""
+    for step in range(1, 101):
+        tv = step / 100
+        if required_samples(tv, false_alarm, 0.99, max(2, cells), two_sample=True) <= samples:
+            return tv
+    return 1.0
