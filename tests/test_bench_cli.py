@@ -89,7 +89,10 @@ def test_strict_refuses_a_malformed_line_naming_it(tmp_path: Path) -> None:
     ([GOOD], ["--configs", "int8:k=0"], ["k must be in 1..64"]),
     ([GOOD], ["--configs", "int8:k"], ["expected key=value"]),
     ([GOOD], ["--configs", "int8:k=2;int8:k=2"], ["used twice: int8-k2"]),
-    ([GOOD], ["--batch-sizes", "1,4"], ["batch size 4 needs the batched engine"]),
+    ([GOOD], ["--batch-sizes", "1,0"], ["--batch-sizes must be integers >= 1"]),
+    ([GOOD], ["--threads", "0"], ["--threads must be >= 1"]),
+    ([GOOD], ["--audit-samples", "-1"], ["--audit-samples must be >= 0"]),
+    ([GOOD], ["--configs", "ngram:k=auto,kmax=99"], ["kmax must be an integer in 1..64"]),
     ([GOOD], ["--max-tokens", "0"], ["--max-tokens must be >= 1"]),
 ])
 def test_bad_input_is_one_line_before_the_model_loads(

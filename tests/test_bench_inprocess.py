@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 
-from specdecode import engine
 from specdecode.bench.harness import BenchOptions, run_bench
 from specdecode.bench.inprocess import (
     InProcessRunner,
@@ -22,6 +21,9 @@ from specdecode.bench.inprocess import (
     conversation_text,
     generate_one,
     weight_bytes,
+)
+from specdecode.bench.inprocess import (
+    factory_key as inprocess_factory_key,
 )
 from specdecode.bench.records import ConfigSpec, RequestSample
 from specdecode.bench.workloads import Prompt, Workload
@@ -113,7 +115,7 @@ def test_generate_one_counts_rejections_and_bursts(tiny: LoadedModel, mode: str)
 
 
 def test_tiny_end_to_end_through_the_harness(tiny: LoadedModel, tmp_path: Path) -> None:
-    runner = InProcessRunner(tiny, default_max_tokens=12)
+    runner = InProcessRunner(tiny, default_max_tokens=12, audit_samples=0)  # audits: below
     configs = [PLAIN, INT8, NGRAM]
     runner.fit_capacity(tiny_prompts(), 3)
     runner.check(configs)
@@ -176,47 +178,90 @@ def test_resume_measures_only_what_is_missing(tiny: LoadedModel, tmp_path: Path)
     assert (outcome.resumed, outcome.measured) == (2, 4)  # rep: 1 turn, conv: 2 turns
 
 
-# -------------------------------------------------------------------------- refusals, batch
+# ------------------------------------------------------------- batching, controller, audits
 
 
-def test_batch_above_one_is_refused_without_the_batched_engine(tiny: LoadedModel) -> None:
-    assert not hasattr(engine, "run_batch"), "update this test: the batched engine exists"
+def test_batch_of_two_runs_on_the_batch_engine(tiny: LoadedModel, tmp_path: Path) -> None:
+    configs = [ConfigSpec("plain", batch_size=2), ConfigSpec("int8-k2", "int8", 2, batch_size=2),
+               ConfigSpec("ngram-auto", "ngram", "auto", batch_size=2, options={"kmax": 3})]
+    runner = InProcessRunner(tiny, default_max_tokens=8, audit_samples=0)
+    runner.fit_capacity(tiny_prompts(), 3)
+    outcome = run_bench(runner, workload_of(tiny_prompts()), configs, options(tmp_path),
+                        out=io.StringIO())
+    samples = outcome.analysis.results.samples
+    assert len(samples) == 12 and all(s.batch_size == 2 and not s.problems() for s in samples)
+    groups = {(s.prompt_id, s.config): s.group for s in samples}
+    assert groups[("rep", "plain")] == groups[("conv", "int8-k2")] == 0
+    assert groups[("hot", "ngram-auto")] == 1
+    audits = {a.config: a for a in outcome.analysis.audits}
+    assert audits["int8-k2"].passed and audits["ngram-auto"].passed
+    assert audits["int8-k2"].n_compared == 3  # rep, conv turn 0 and turn 1 (greedy)
+    memory = {m.config: m for m in outcome.analysis.results.memory}
+    assert memory["plain"].target_kv == tiny.model.new_cache(2, 1).nbytes() * (
+        memory["plain"].target_kv // tiny.model.new_cache(2, 1).nbytes())  # one 2-row cache
+
+
+def test_refusals_before_measuring(tiny: LoadedModel) -> None:
     runner = InProcessRunner(tiny)
-    with pytest.raises(SpecDecodeError, match="run_batch"):
-        runner.run(tiny_prompts()[:2], ConfigSpec("plain", batch_size=2))
-    with pytest.raises(SpecDecodeError, match="batched engine"):
-        runner.check([ConfigSpec("plain", batch_size=4)])
-    with pytest.raises(SpecDecodeError, match="controller"):
-        runner.check([ConfigSpec("ngram-auto", "ngram", "auto")])
+    with pytest.raises(SpecDecodeError, match="1 to 1 prompts"):
+        runner.run(tiny_prompts()[:2], PLAIN)
+    with pytest.raises(SpecDecodeError, match=r"kmax\) must be in 1..64"):
+        runner.check([ConfigSpec("ngram-auto", "ngram", "auto", options={"kmax": 99})])
     with pytest.raises(SpecDecodeError, match="takes no option 'colour'"):
         runner.check([ConfigSpec("ngram-x", "ngram", 2, options={"colour": 1})])
+    with pytest.raises(SpecDecodeError, match="invalid drafter options"):
+        runner.check([ConfigSpec("ngram-bad", "ngram", 2, options={"ngram_max": "x"})])
 
 
-def test_batch_goes_through_run_batch_when_the_engine_has_it(
+def test_sampled_configs_get_a_statistical_audit(tiny: LoadedModel) -> None:
+    runner = InProcessRunner(tiny, default_max_tokens=4, audit_samples=40)
+    cool = Prompt("cool", "creative", ["t20 t21 t22"], temperature=0.1)
+    runner.run([cool], INT8)
+    runner.run([tiny_prompts()[0]], NGRAM)  # greedy only: nothing to audit here
+    (verdict,) = runner.audit(INT8)
+    assert verdict.method == "sampled-chi-square" and verdict.n_compared == 40
+    assert verdict.passed and verdict.p_value is not None and "temperature 0.1" in verdict.details
+    assert runner.audit(NGRAM) == [] and runner.audit(PLAIN) == []
+    batch2 = ConfigSpec("int8-k2", "int8", 2, batch_size=2)
+    runner.run([cool], batch2)
+    assert runner.audit(batch2)[0].p_value == verdict.p_value  # reused, not rerun
+
+
+class NeverDrafts:
+    """Proposes nothing: speculative decoding with it IS plain decoding."""
+
+    name = "never"
+
+    def propose(self, *args: object) -> Any:
+        from specdecode.drafters.base import Draft
+
+        return Draft(torch.zeros(0, dtype=torch.long), None)
+
+    def reset(self) -> None:
+        pass
+
+
+def test_sampled_audit_passes_a_config_that_is_plain_decoding(tiny: LoadedModel) -> None:
+    runner = InProcessRunner(tiny, default_max_tokens=4, audit_samples=40)
+    runner._factories[inprocess_factory_key(NGRAM)] = NeverDrafts
+    runner.run([tiny_prompts()[2]], NGRAM)  # temperature 0.8
+    (verdict,) = runner.audit(NGRAM)
+    assert verdict.passed, verdict.details
+
+
+def test_a_failed_sampled_audit_reaches_the_verdict(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stand-in run_batch (sequential inside) checks the adapter's side of the contract."""
+    import specdecode.bench.inprocess as inprocess
+    from specdecode.audit import AuditResult
 
-    def run_batch(model: Any, tokenizer: Any, requests: list[Any], factory: Any, k: int,
-                  eos_ids: tuple[int, ...], on_step: Any = None) -> list[Any]:
-        out = []
-        for i, r in enumerate(requests):
-            gen = Generation(model, tokenizer, r.prompt_ids, r.params,
-                             factory() if factory else None, k, eos_ids)
-            for step in gen.run():
-                on_step(i, step)
-            gen.counters.rejections = 0  # type: ignore[attr-defined]
-            out.append(SimpleNamespace(output=gen.output, counters=gen.counters, cache=None))
-        return out
-
-    monkeypatch.setattr(engine, "run_batch", run_batch, raising=False)
-    monkeypatch.setattr(engine, "BatchRequest", lambda ids, params: SimpleNamespace(
-        prompt_ids=ids, params=params), raising=False)
-    samples = InProcessRunner(tiny, default_max_tokens=6).run(
-        tiny_prompts()[:2], ConfigSpec("plain", batch_size=2))
-    assert [(s.prompt_id, s.turn, s.batch_size) for s in samples] == [
-        ("rep", 0, 2), ("conv", 0, 2), ("conv", 1, 2)]
-    assert all(not s.problems() and s.output_tokens == 6 for s in samples)
+    failed = AuditResult("sampled", False, 40, 2, 1e-3, p_value=1e-9, tv_estimate=0.4,
+                         tv_upper=0.5, confidence=0.95, cells=10, detectable_tv=0.3)
+    monkeypatch.setattr(inprocess, "audit_sampled", lambda *a, **kw: failed)
+    runner = InProcessRunner(tiny, default_max_tokens=4)
+    runner.run([tiny_prompts()[2]], INT8)
+    (verdict,) = runner.audit(INT8)
+    assert not verdict.passed and verdict.n_failed == 1 and verdict.p_value == 1e-9
 
 
 def test_conversation_uses_the_chat_template_with_earlier_replies() -> None:

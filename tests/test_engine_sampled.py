@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,7 +119,8 @@ def _no_residual(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor,
         assert q is not None
         x = int(draft[i])
         if float(torch.rand((), generator=generator)) >= min(1.0, float(p[i, x] / q[i, x])):
-            return VerifyResult(i, torch.tensor([*draft[:i].tolist(), int(sample(p[i], generator))]))
+            recovered = int(sample(p[i], generator))
+            return VerifyResult(i, torch.tensor([*draft[:i].tolist(), recovered]))
     return VerifyResult(k, torch.tensor([*draft.tolist(), int(sample(p[k], generator))]))
 
 

@@ -12,12 +12,14 @@ the verdict fails when p < false_alarm, a rate the user states (default 1e-3).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation
 from specdecode.sampling import SamplingParams
 from specdecode.stats import chi_square_homogeneity, required_samples, tv_two_sample
@@ -62,8 +64,10 @@ class AuditResult:
 
 
 def _generate(model: Any, prompt: list[int], params: SamplingParams, drafter: Drafter | None,
-              k: int, eos: tuple[int, ...]) -> Generation:
+              k: int, eos: tuple[int, ...], template: Generation | None = None) -> Generation:
     gen = Generation(model, None, prompt, params, drafter, k, eos)
+    if template is not None:
+        gen.adopt_prefill(template)
     for _ in gen.run():
         pass
     gen.release()
@@ -83,7 +87,11 @@ def audit_greedy(model: Any, prompts: list[list[int]], params: SamplingParams,
 
 
 def _grouped(a: Counter[Outcome], b: Counter[Outcome], cells: int) -> tuple[list[int], list[int]]:
-    top = [o for o, _ in (a + b).most_common(cells)]
+    # Ties broken by a hash of the outcome, never by which sample saw it first: an order that
+    # favoured one sample would bias the "other" cell and make a correct configuration fail.
+    pooled = a + b
+    top = sorted(pooled, key=lambda o: (-pooled[o], hashlib.sha256(repr(o).encode()).digest()))
+    top = top[:cells]
     rest_a = sum(a.values()) - sum(a[o] for o in top)
     rest_b = sum(b.values()) - sum(b[o] for o in top)
     return [a[o] for o in top] + [rest_a], [b[o] for o in top] + [rest_b]
@@ -97,11 +105,19 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
     plain: Counter[Outcome] = Counter()
     spec: Counter[Outcome] = Counter()
     drafted = accepted = 0
+    template = Generation(model, None, prompt, dataclasses.replace(params, max_tokens=tokens))
+    template.prefill()  # every sample starts from this prompt's KV (a copy, not a recompute)
+    warm = make_drafter()
+    if isinstance(warm, DraftModelDrafter):
+        warm._sync(prompt)
     for i in range(samples):
         p = dataclasses.replace(params, max_tokens=tokens, seed=seed + 2 * i)
-        plain[tuple(_generate(model, prompt, p, None, 0, eos).output)] += 1
+        plain[tuple(_generate(model, prompt, p, None, 0, eos, template).output)] += 1
         p = dataclasses.replace(p, seed=seed + 2 * i + 1)
-        gen = _generate(model, prompt, p, make_drafter(), k, eos)
+        drafter = make_drafter()
+        if isinstance(drafter, DraftModelDrafter) and isinstance(warm, DraftModelDrafter):
+            drafter.copy_state_from(warm)
+        gen = _generate(model, prompt, p, drafter, k, eos, template)
         spec[tuple(gen.output)] += 1
         drafted += gen.counters.drafted
         accepted += gen.counters.accepted

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
@@ -36,7 +36,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", help="none | draft-model | int8")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --drafter draft-model")
-    p.add_argument("--k", type=int, default=4, help="draft length, 1..64 (default 4)")
+    p.add_argument("--k", default="auto",
+                   help="draft length 1..64, or auto (default): the controller picks 0..--kmax "
+                        "per step from measured acceptance and costs")
+    p.add_argument("--kmax", type=int, default=8, help="largest draft length for --k auto")
 
 
 def _params(args: argparse.Namespace) -> Any:
@@ -53,8 +56,36 @@ def _params(args: argparse.Namespace) -> Any:
 
 
 def _check_k(args: argparse.Namespace) -> None:
+    """Parse --k into args.k (int, the cap under auto) and args.auto (bool)."""
+    args.auto = args.k == "auto"
+    if args.auto:
+        args.k = args.kmax
+    else:
+        try:
+            args.k = int(args.k)
+        except ValueError:
+            msg = f"--k must be an integer in 1..64 or auto, got {args.k}"
+            raise SpecDecodeError(msg) from None
     if not 1 <= args.k <= 64:
-        raise SpecDecodeError(f"--k must be in 1..64, got {args.k}")
+        name = "--kmax" if args.auto else "--k"
+        raise SpecDecodeError(f"{name} must be in 1..64, got {args.k}")
+
+
+def _auto_steps(model: Any, gen: Any) -> Iterator[Any]:
+    """Steps of `gen` under the controller (--k auto): a batch-1 engine, costs measured first."""
+    from specdecode.control import Controller, calibrated_costs
+    from specdecode.engine import BatchEngine
+
+    controller = Controller(kmax=gen.k, costs=calibrated_costs(model, [1], gen.k))
+    engine = BatchEngine(model, 1, gen.capacity, controller=controller)
+    engine.submit(gen)
+
+    def steps() -> Iterator[Any]:
+        while engine.busy:
+            for _, out in engine.step():
+                yield out
+
+    return steps()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,10 +103,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode(text), params,
                      factory() if factory else None, args.k, eos)
+    steps = _auto_steps(loaded.model, gen) if args.auto and factory else gen.run()
     start = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []
-    for out in gen.run():
+    for out in steps:
         if first is None:
             first = time.perf_counter() - start
         pieces.append(out.text)
@@ -87,7 +119,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         record = {
             "text": "".join(pieces), "token_ids": gen.output, "finish_reason": gen.finish_reason,
-            "model": loaded.describe(), "drafter": args.drafter, "k": gen.k,
+            "model": loaded.describe(), "drafter": args.drafter,
+            "k": "auto" if args.auto else gen.k,
             "timings": {"load_s": loaded.load_seconds, "ttft_s": first, "total_s": total,
                         "tokens_per_s": len(gen.output) / total if total else None},
             "counters": gen.counters.to_dict(),
@@ -203,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-peer", action="store_true", help="skip the transformers comparison")
     c.add_argument("--json", default=None, help="also write the results to this JSON file")
     c.set_defaults(func=cmd_costs)
+    from specdecode.bench.commands import register as register_bench
+
+    register_bench(sub)
     return parser
 
 

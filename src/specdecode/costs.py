@@ -1,15 +1,22 @@
 """Cost curves (a benchmark, not a test): the time of one forward pass scoring k new positions
 over a fixed context, per batch size, and v(k) = time(k) / time(1). Also, at batch 1, the
-per-token latency of plain decoding here against transformers' generate() on the same weights.
+per-token latency of plain greedy decoding here against transformers' generate() on the same
+weights.
+
+Noise (a shared 2-core machine): every shape is warmed up before timing, shapes are timed
+round-robin (one pass over k = 1..kmax per repeat) so that a slow spell hits every k alike,
+and each figure is a median with its spread (min-max, and the interquartile range of v(k)
+over repeats). The two decoders of the peer comparison alternate run by run and are compared
+by their median time per decode step, each step timed on its own.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,22 +33,29 @@ def hardware() -> dict[str, Any]:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "load_avg_1m": _load()}
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
-    """(median, min, max) seconds of fn() over `repeats` runs after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times), max(times)
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def forward_costs(model: Any, batch: int, context: int, kmax: int, repeats: int) -> list[dict]:
-    """Median time of one forward scoring k = 1..kmax positions after `context` tokens."""
+    """Time of one forward scoring k = 1..kmax positions per row after `context` tokens.
+
+    Rows: k, batch, median_s / min_s / max_s over `repeats`, first_s (the first, cold call of
+    that shape), v = median(k) / median(1) and v_q1 / v_q3 (quartiles of the per-repeat ratio).
+    """
     gen = torch.Generator().manual_seed(0)
     vocab = model.cfg.vocab_size
     cache = model.new_cache(batch, context + kmax + 1)
@@ -49,89 +63,153 @@ def forward_costs(model: Any, batch: int, context: int, kmax: int, repeats: int)
         for i in range(0, context, 256):
             n = min(256, context - i)
             model(torch.randint(vocab, (batch, n), generator=gen), cache, logits_for="none")
+    tokens = [torch.randint(vocab, (batch, k), generator=gen) for k in range(1, kmax + 1)]
+
+    def step(k: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(tokens[k - 1], cache)
+        elapsed = time.perf_counter() - start
+        for b in range(batch):
+            cache.rollback(b, context)
+        return elapsed
+
+    first = [step(k) for k in range(1, kmax + 1)]  # cold: each shape's first call
+    for k in range(1, kmax + 1):
+        step(k)  # warm-up
+    times: list[list[float]] = [[] for _ in range(kmax)]
+    for _ in range(max(1, repeats)):
+        for k in range(1, kmax + 1):
+            times[k - 1].append(step(k))
+    t1 = statistics.median(times[0])
     rows = []
     for k in range(1, kmax + 1):
-        tokens = torch.randint(vocab, (batch, k), generator=gen)
-
-        def step(tokens: torch.Tensor = tokens) -> None:
-            with torch.inference_mode():
-                model(tokens, cache)
-            for b in range(batch):
-                cache.rollback(b, context)
-
-        med, lo, hi = _median_time(step, repeats)
-        rows.append({"k": k, "batch": batch, "median_s": med, "min_s": lo, "max_s": hi})
-    t1 = rows[0]["median_s"]
-    for r in rows:
-        r["v"] = r["median_s"] / t1
+        ts = times[k - 1]
+        ratios = [t / one for t, one in zip(ts, times[0], strict=True)]
+        q1, q3 = _quartiles(ratios)
+        rows.append({"k": k, "batch": batch, "median_s": statistics.median(ts), "min_s": min(ts),
+                     "max_s": max(ts), "first_s": first[k - 1],
+                     "v": statistics.median(ts) / t1, "v_q1": q1, "v_q3": q3})
     return rows
 
 
-def _per_token(run: Callable[[int], object], new_tokens: int, repeats: int) -> float:
-    """Marginal seconds per decoded token: (time(n + 1 tokens) - time(1 token)) / n, medians."""
-    one = _median_time(lambda: run(1), repeats)[0]
-    many = _median_time(lambda: run(new_tokens + 1), repeats)[0]
-    return (many - one) / new_tokens
+def _prompt(tokenizer: Any, context: int) -> list[int]:
+    from specdecode.agreement import BUILTIN_TEXT
+
+    ids = tokenizer.encode(BUILTIN_TEXT)
+    return (ids * (context // len(ids) + 1))[:context]
 
 
-def peer_comparison(loaded: Any, new_tokens: int, repeats: int) -> dict[str, Any]:
-    """Per-token plain greedy decoding latency, native runner vs transformers generate()."""
+def peer_comparison(loaded: Any, new_tokens: int, repeats: int,
+                    context: int = 512) -> dict[str, Any]:
+    """Plain greedy decoding at batch 1 after a `context`-token prompt: median seconds per
+    decode step, native runner vs transformers generate() (same weights, fp32, same threads)."""
     from transformers import AutoModelForCausalLM
 
-    from specdecode.engine import Generation
     from specdecode.models.loading import resolve_folder
-    from specdecode.sampling import SamplingParams
 
     folder = resolve_folder(None if loaded.name == "SmolLM2-135M-Instruct" else
                             str(loaded.source))[0]
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    prompt = loaded.tokenizer.encode("The history of the printing press begins")
+    prompt = _prompt(loaded.tokenizer, context)
+    runs = {"native": _native_steps, "transformers": _transformers_steps}
+    models = {"native": loaded.model, "transformers": hf}
+    steps: dict[str, list[float]] = {name: [] for name in runs}
+    run_medians: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(max(1, repeats) + 1):  # the first round warms up both
+        for name, run in runs.items():
+            s = run(models[name], prompt, new_tokens)
+            if r > 0:
+                steps[name] += s
+                run_medians[name].append(statistics.median(s))
+    native, peer = statistics.median(steps["native"]), statistics.median(steps["transformers"])
+    ratios = [a / b for a, b in zip(run_medians["native"], run_medians["transformers"],
+                                    strict=True)]
+    return {"native_s_per_token": native, "transformers_s_per_token": peer,
+            "ratio_native_over_transformers": native / peer,
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "native_q1_q3": _quartiles(steps["native"]),
+            "transformers_q1_q3": _quartiles(steps["transformers"]),
+            "new_tokens": new_tokens, "runs": max(1, repeats), "context": len(prompt),
+            "batch": 1}
 
-    def ours(n: int) -> None:
-        gen = Generation(loaded.model, None, prompt, SamplingParams(max_tokens=n))
-        for _ in gen.run():
+
+def _native_steps(model: Any, prompt: list[int], n: int) -> list[float]:
+    """Seconds of each decode step after the first (which includes the prefill)."""
+    from specdecode.engine import Generation
+    from specdecode.sampling import SamplingParams
+
+    gen = Generation(model, None, prompt, SamplingParams(max_tokens=n))
+    times = []
+    while gen.finish_reason is None:
+        start = time.perf_counter()
+        gen.step()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def _transformers_steps(hf: Any, prompt: list[int], n: int) -> list[float]:
+    """Intervals between tokens streamed out of generate() after the first token."""
+    stamps: list[float] = []
+
+    class Clock:
+        def put(self, value: torch.Tensor) -> None:
+            stamps.append(time.perf_counter())
+
+        def end(self) -> None:
             pass
 
-    def theirs(n: int) -> None:
-        with torch.inference_mode():
-            hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=0)
-
-    native = _per_token(ours, new_tokens, repeats)
-    peer = _per_token(theirs, new_tokens, repeats)
-    return {"native_s_per_token": native, "transformers_s_per_token": peer,
-            "ratio_native_over_transformers": native / peer, "new_tokens": new_tokens,
-            "batch": 1}
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, pad_token_id=0, streamer=Clock())
+    # put() gets the prompt, then each new token: intervals from the 2nd token on
+    return [b - a for a, b in itertools.pairwise(stamps[1:])]
 
 
 def run_costs(model_spec: str | None, precision: str, backend: str, context: int, kmax: int,
               batches: list[int], repeats: int, compare_transformers: bool = True
               ) -> dict[str, Any]:
     loaded = load_model(model_spec, precision, backend)
-    curves = [forward_costs(loaded.model, b, context, kmax, repeats) for b in batches]
     result: dict[str, Any] = {"model": loaded.describe(), "hardware": hardware(),
-                              "context": context, "curves": curves}
+                              "context": context, "repeats": repeats}
+    result["curves"] = [forward_costs(loaded.model, b, context, kmax, repeats) for b in batches]
     if compare_transformers and precision == "fp32":
-        result["peer"] = peer_comparison(loaded, 32, max(3, repeats // 2))
+        result["peer"] = peer_comparison(loaded, 32, max(3, repeats // 2), context)
+    result["load_avg_1m_end"] = _load()
     return result
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
 
 
 def print_costs(result: dict[str, Any]) -> None:
     hw, m = result["hardware"], result["model"]
+    load = "" if hw.get("load_avg_1m") is None else (
+        f", load average {hw['load_avg_1m']:.1f} -> {result.get('load_avg_1m_end') or 0:.1f}")
     print(f"# forward cost vs positions scored: {m['name']} ({m['backend']}, {m['precision']}), "
-          f"context {result['context']}, {hw['cpu']}, {hw['torch_threads']} threads")
+          f"context {result['context']}, {hw['cpu']}, {hw['torch_threads']} threads{load}; "
+          f"medians of {result.get('repeats', '?')} round-robin repeats after warm-up")
     batches = [c[0]["batch"] for c in result["curves"]]
-    print("  k " + "".join(f" | b={b}: ms (min-max)  v(k)" for b in batches))
+    print("  k " + "".join(f" | b={b}: ms (min-max) first  v(k) (IQR)    " for b in batches))
     for i in range(len(result["curves"][0])):
         cells = []
         for curve in result["curves"]:
             r = curve[i]
             cells.append(f" | {r['median_s'] * 1e3:7.1f} ({r['min_s'] * 1e3:.0f}-"
-                         f"{r['max_s'] * 1e3:.0f}) {r['v']:5.2f}")
-        print(f"{curve[i]['k']:3d}" + "".join(cells))
+                         f"{r['max_s'] * 1e3:.0f}) {r.get('first_s', 0) * 1e3:5.0f} "
+                         f"{r['v']:5.2f} ({r.get('v_q1', r['v']):.2f}-"
+                         f"{r.get('v_q3', r['v']):.2f})")
+        print(f"{result['curves'][0][i]['k']:3d}" + "".join(cells))
     peer = result.get("peer")
     if peer:
-        print(f"# plain greedy decoding, batch 1, per token (marginal, median): native "
-              f"{peer['native_s_per_token'] * 1e3:.1f} ms, transformers generate() "
-              f"{peer['transformers_s_per_token'] * 1e3:.1f} ms, ratio native/transformers "
-              f"{peer['ratio_native_over_transformers']:.2f}")
+        nq, tq = peer.get("native_q1_q3"), peer.get("transformers_q1_q3")
+        spread = "" if not nq or not tq else (
+            f" (IQR {_ms(nq[0])}-{_ms(nq[1])} vs {_ms(tq[0])}-{_ms(tq[1])})")
+        runs = "" if "ratio_min" not in peer else (
+            f"; per-run ratios {peer['ratio_min']:.2f}-{peer['ratio_max']:.2f}")
+        print(f"# plain greedy decoding, batch 1, {peer.get('context', '?')}-token prompt, "
+              f"median per decode step over {peer.get('runs', '?')} alternating runs of "
+              f"{peer['new_tokens']} tokens: native {_ms(peer['native_s_per_token'])} ms, "
+              f"transformers generate() {_ms(peer['transformers_s_per_token'])} ms{spread}, "
+              f"ratio native/transformers {peer['ratio_native_over_transformers']:.2f}{runs}")

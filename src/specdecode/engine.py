@@ -16,13 +16,16 @@ token), whose logits the next step computes together with the draft.
 
 from __future__ import annotations
 
+import copy
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specdecode.control import AlphaEstimate, Controller
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
@@ -54,7 +57,12 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 class Generation:
-    """One request's generation, advanced by `step()` until `finish_reason` is set."""
+    """One request's generation, advanced by `step()` until `finish_reason` is set.
+
+    Alone, it owns a batch-1 cache. In a BatchEngine, the engine adopts its prefilled cache into
+    a row of the shared batch cache and runs the score move for all rows at once; the other moves
+    (propose, verify, commit, observe) stay here, per request.
+    """
 
     def __init__(
         self,
@@ -65,6 +73,7 @@ class Generation:
         drafter: Drafter | None = None,
         k: int = 0,
         eos_ids: tuple[int, ...] = (),
+        category: str | None = None,
     ) -> None:
         params.validate(model.cfg.vocab_size)
         if not 0 <= k <= MAX_K:
@@ -72,65 +81,101 @@ class Generation:
         _check_prompt(prompt_ids, params, model.cfg.max_position, k)
         self.model, self.params, self.drafter = model, params, drafter
         self.k = k if drafter is not None else 0
+        self.next_k = self.k  # draft length of the next step; a controller may change it
+        self.category = category
         self.eos_ids = frozenset(eos_ids)
         self.generator = make_generator(params.seed)
         self.prompt_len = len(prompt_ids)
         self.context = list(prompt_ids)
         self.output: list[int] = []
-        self.cache = model.new_cache(1, len(prompt_ids) + params.max_tokens + self.k + 1)
+        self.capacity = len(prompt_ids) + params.max_tokens + self.k + 1
+        self.cache: Any = None
+        self.row = 0
         self.counters = Counters(prompt_tokens=len(prompt_ids))
         self.finish_reason: str | None = None
         self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self._stops = StopChecker(params.stop)
-        self._prefilled = False
+        self._prefilled = 0  # prompt tokens (all but the last) already in the cache
+        self.last_alphas: list[float] = []  # alpha samples of the last verified step
 
-    def prefill(self) -> None:
-        """Feed the prompt except its last token (the first pending token), in chunks."""
+    @property
+    def prefilled(self) -> bool:
+        return self._prefilled >= self.prompt_len - 1
+
+    def prefill(self, max_tokens: int | None = None) -> bool:
+        """Feed up to `max_tokens` more prompt tokens (all but the last); True when done."""
         start = time.perf_counter_ns()
-        prompt = self.context[:-1]
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, self.capacity)
+        end = self.prompt_len - 1
+        if max_tokens is not None:
+            end = min(end, self._prefilled + max_tokens)
         with torch.inference_mode():
-            for i in range(0, len(prompt), PREFILL_CHUNK):
-                chunk = torch.tensor([prompt[i : i + PREFILL_CHUNK]])
+            for i in range(self._prefilled, end, PREFILL_CHUNK):
+                chunk = torch.tensor([self.context[i : min(end, i + PREFILL_CHUNK)]])
                 self.model(chunk, self.cache, logits_for="none")
-        self._prefilled = True
+        self._prefilled = end
         self.counters.prefill_ns += time.perf_counter_ns() - start
+        return self.prefilled
+
+    def adopt_prefill(self, template: Generation) -> None:
+        """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
+        if template.context[: self.prompt_len] != self.context or not template.prefilled or \
+                not hasattr(template.cache, "k"):
+            self.prefill()
+            return
+        n = self.prompt_len - 1
+        self.cache = self.model.new_cache(1, self.capacity)
+        self.cache.k[:, 0, :, :n] = template.cache.k[:, template.row, :, :n]
+        self.cache.v[:, 0, :, :n] = template.cache.v[:, template.row, :, :n]
+        self.cache.lengths[0] = n
+        self._prefilled = n
 
     def step(self) -> StepOutput:
+        """One whole speculative step on this request's own cache."""
         if self.finish_reason is not None:
             return StepOutput([], "", self.finish_reason)
-        if not self._prefilled:
+        if not self.prefilled:
             self.prefill()
-        c = self.counters
         t0 = time.perf_counter_ns()
-        draft = self._propose()  # 1. propose
+        draft = self.propose()  # 1. propose
         t1 = time.perf_counter_ns()
-        base = len(self.context) - 1
-        fed = torch.cat([torch.tensor(self.context[-1:]), draft.tokens])[None]  # (1, k+1)
         with torch.inference_mode():
-            logits = self.model(fed, self.cache)[0]  # 2. score: (k+1, V)
+            logits = self.model(self.fed(draft)[None], self.cache)[0]  # 2. score: (k+1, V)
         t2 = time.perf_counter_ns()
-        result, alphas = self._verify(logits, draft)  # 3. verify
-        t3 = time.perf_counter_ns()
-        self.cache.rollback(0, base + 1 + result.num_accepted)  # 4. commit
-        out = self._emit(result.tokens.tolist())
-        c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
-        c.record_alpha(alphas)
-        t4 = time.perf_counter_ns()
-        c.draft_ns += t1 - t0
-        c.target_ns += t2 - t1
-        c.verify_ns += t3 - t2
-        c.other_ns += t4 - t3
-        return out
+        self.counters.draft_ns += t1 - t0
+        self.counters.target_ns += t2 - t1
+        return self.finish_step(logits, draft)
 
-    def _propose(self) -> Draft:
+    def fed(self, draft: Draft) -> torch.Tensor:
+        """The tokens the target scores this step: the pending token, then the draft."""
+        return torch.cat([torch.tensor(self.context[-1:]), draft.tokens])  # (k+1,)
+
+    def propose(self) -> Draft:
         room = self.params.max_tokens - len(self.output) - 1
-        k = min(self.k, room)
+        k = min(self.next_k, room)
         if self.drafter is None or k <= 0:
             return Draft(_EMPTY, None)
         ctx = torch.tensor(self.context)
         with torch.inference_mode():
             draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
         return Draft(draft.tokens[:k].to(torch.long), None if draft.q is None else draft.q[:k])
+
+    def finish_step(self, logits: torch.Tensor, draft: Draft) -> StepOutput:
+        """Moves 3-5 for this request, given the target's (k+1, V) logits of this step."""
+        c = self.counters
+        t2 = time.perf_counter_ns()
+        result, alphas = self._verify(logits, draft)  # 3. verify
+        t3 = time.perf_counter_ns()
+        base = len(self.context) - 1
+        self.cache.rollback(self.row, base + 1 + result.num_accepted)  # 4. commit
+        out = self._emit(result.tokens.tolist())
+        c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
+        c.record_alpha(alphas)
+        self.last_alphas = alphas
+        c.verify_ns += t3 - t2
+        c.other_ns += time.perf_counter_ns() - t3
+        return out
 
     def _verify(self, logits: torch.Tensor, draft: Draft) -> tuple[VerifyResult, list[float]]:
         """Verification plus the per-position alpha samples sum_x min(p, q) it evaluated."""
@@ -183,6 +228,158 @@ class Generation:
         self.cache = None
         if self.drafter is not None:
             self.drafter.reset()
+
+
+class BatchEngine:
+    """Continuous batching of Generations over one shared KV cache of `max_batch` rows.
+
+    Active requests occupy rows 0..n-1 (compacted when one leaves, by one row copy), so each
+    step's single target forward runs over a prefix view of the cache. Every request has its own
+    draft length (ragged rows, padded to the widest), its own KV length and its own generator.
+    Requests join between steps: a joining request's prompt is prefilled in chunks of
+    `prefill_chunk` tokens, one chunk per step, in its own small cache, then adopted into a row,
+    so a long prompt never stalls the running requests for more than one chunk.
+    """
+
+    def __init__(self, model: Any, max_batch: int, max_seq_len: int,
+                 controller: Controller | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
+        self.cache = model.new_cache(max_batch, max_seq_len)
+        self.controller = controller
+        self.prefill_chunk = prefill_chunk
+        self.active: list[Generation] = []  # active[i] decodes in cache row i
+        self.joining: deque[Generation] = deque()  # prefilling in their own caches
+        self.waiting: deque[Generation] = deque()  # queued until a row is free
+        self.alphas: dict[int, AlphaEstimate] = {}
+
+    def submit(self, gen: Generation) -> None:
+        """Queue a request; refused with a clear message if it can never fit a cache row."""
+        if gen.capacity > self.max_seq_len:
+            raise SpecDecodeError(
+                f"request needs {gen.capacity} tokens of cache (prompt {gen.prompt_len} + "
+                f"max_tokens {gen.params.max_tokens} + draft room) but each row of this engine "
+                f"holds {self.max_seq_len}"
+            )
+        if self.controller is not None:
+            self.alphas[id(gen)] = self.controller.new_estimate(gen.category)
+        self.waiting.append(gen)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.joining or self.waiting)
+
+    def cancel(self, gen: Generation) -> None:
+        """Stop a request now and free its cache row at once."""
+        if gen in self.active:
+            self._leave(gen)
+        elif gen in self.joining:
+            self.joining.remove(gen)
+        elif gen in self.waiting:
+            self.waiting.remove(gen)
+        gen.finish_reason = gen.finish_reason or "cancelled"
+        gen.release()
+        self.alphas.pop(id(gen), None)
+
+    def step(self) -> list[tuple[Generation, StepOutput]]:
+        """Admit and prefill one chunk, then one speculative step for every active request."""
+        self._admit()
+        if not self.active:
+            return []
+        ks = self._choose_k()
+        drafts = self._propose(ks)
+        logits = self._score(drafts)
+        outputs = []
+        for i, (gen, draft) in enumerate(zip(list(self.active), drafts, strict=True)):
+            out = gen.finish_step(logits[i, : len(draft.tokens) + 1], draft)
+            if id(gen) in self.alphas:
+                self.alphas[id(gen)].observe(gen.last_alphas)
+            outputs.append((gen, out))
+        for gen, out in outputs:
+            if out.finish_reason is not None:
+                self._leave(gen)
+                gen.release()
+                self.alphas.pop(id(gen), None)
+        return outputs
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.active) + len(self.joining) < self.max_batch:
+            self.joining.append(self.waiting.popleft())
+        if self.joining and self.joining[0].prefill(self.prefill_chunk):
+            self._adopt(self.joining.popleft())
+
+    def _adopt(self, gen: Generation) -> None:
+        """Copy a prefilled request's KV into the next free row; it decodes from there on."""
+        row, n = len(self.active), gen.cache.lengths[0]
+        self.cache.k[:, row, :, :n] = gen.cache.k[:, 0, :, :n]
+        self.cache.v[:, row, :, :n] = gen.cache.v[:, 0, :, :n]
+        self.cache.lengths[row] = n
+        gen.cache, gen.row = self.cache, row
+        self.active.append(gen)
+
+    def _leave(self, gen: Generation) -> None:
+        """Free gen's row, moving the last active row into it to keep rows 0..n-1 dense."""
+        row, last = gen.row, len(self.active) - 1
+        if row != last:
+            mover = self.active[last]
+            n = self.cache.lengths[last]
+            self.cache.k[:, row, :, :n] = self.cache.k[:, last, :, :n]
+            self.cache.v[:, row, :, :n] = self.cache.v[:, last, :, :n]
+            self.cache.lengths[row] = n
+            mover.row = row
+            self.active[row] = mover
+        self.cache.lengths[last] = 0
+        self.active.pop()
+        gen.cache = None
+
+    def _choose_k(self) -> list[int]:
+        if self.controller is None:
+            return [g.k for g in self.active]
+        ks = self.controller.choose([self.alphas[id(g)] for g in self.active])
+        return [min(k, g.k) for k, g in zip(ks, self.active, strict=True)]
+
+    def _propose(self, ks: list[int]) -> list[Draft]:
+        drafts = []
+        start = time.perf_counter_ns()
+        for gen, k in zip(self.active, ks, strict=True):
+            gen.next_k = k
+            t0 = time.perf_counter_ns()
+            drafts.append(gen.propose())
+            gen.counters.draft_ns += time.perf_counter_ns() - t0
+        drafted = sum(len(d.tokens) for d in drafts)
+        if self.controller is not None and drafted:
+            self.controller.costs.observe_draft(drafted, (time.perf_counter_ns() - start) / 1e9)
+        return drafts
+
+    def _score(self, drafts: list[Draft]) -> torch.Tensor:
+        """One target forward over the active rows: (n, T, V) logits, rows padded to T."""
+        n = len(self.active)
+        fed = [g.fed(d) for g, d in zip(self.active, drafts, strict=True)]
+        width = max(len(f) for f in fed)
+        tokens = torch.zeros(n, width, dtype=torch.long)
+        for i, f in enumerate(fed):
+            tokens[i, : len(f)] = f
+        view = copy.copy(self.cache)  # the first n rows: views of the same storage
+        view.k, view.v = self.cache.k[:, :n], self.cache.v[:, :n]
+        view.lengths = self.cache.lengths[:n]
+        start = time.perf_counter_ns()
+        with torch.inference_mode():
+            logits = self.model(tokens, view, num_new=[len(f) for f in fed])
+        elapsed = time.perf_counter_ns() - start
+        self.cache.lengths[:n] = view.lengths
+        for gen in self.active:
+            gen.counters.target_ns += elapsed
+        if self.controller is not None:
+            self.controller.costs.observe_target(n, width, elapsed / 1e9)
+        return logits
+
+
+def run_batch(engine: BatchEngine, gens: list[Generation]) -> list[Generation]:
+    """Submit every request and step until all have finished."""
+    for gen in gens:
+        engine.submit(gen)
+    while engine.busy:
+        engine.step()
+    return gens
 
 
 def _check_prompt(prompt_ids: list[int], params: SamplingParams, context: int, k: int) -> None:

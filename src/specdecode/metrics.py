@@ -11,6 +11,7 @@ class Counters:
     steps: int = 0  # target forward passes after prefill (one per emitted group of tokens)
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # steps where a draft token was rejected (accepted < drafted)
     emitted: int = 0
     prompt_tokens: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)
@@ -28,6 +29,7 @@ class Counters:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejections += accepted < drafted
         self.emitted += emitted
         while len(self.drafted_per_pos) < drafted:
             self.drafted_per_pos.append(0)

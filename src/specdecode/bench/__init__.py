@@ -4,6 +4,8 @@ Modules, in the order data flows through them:
 
 - `workloads`: prompts (Spec-Bench JSONL or a plain JSONL format) and the built-in default set.
 - `runner`: the `Runner` protocol an engine implements to produce measurements.
+- `inprocess`: the Runner on this package's engine (batch 1 alone, batches and k = "auto" on the
+  BatchEngine); `costcurves`: its c(k), v(k) measurement.
 - `records`: the versioned result schema (one `RequestSample` per request per configuration).
 - `store`: the append-only JSONL file results are written to as they are measured, and resume.
 - `harness`: the loop interleaving configurations over the same prompts.
@@ -12,4 +14,5 @@ Modules, in the order data flows through them:
 - `report_html`, `summary`, `svg`: the self-contained HTML report and the terminal summary.
 - `hardware`: the machine description every report states.
 - `compare`: what changed between two reports (after a target swap or an upgrade).
+- `commands`: the `bench`, `compare` and `tune` subcommands of the CLI.
 """

@@ -2,11 +2,12 @@
 
 Configurations are written `--configs "plain;int8:k=3;ngram:k=4,ngram_max=3"`: items separated
 by ";", each a drafter name ("plain" for plain decoding) optionally followed by ":" and
-comma-separated key=value pairs. Keys: `k` (draft length, an integer or "auto"), `temperature`
-(overrides every prompt's), `name` (default: the drafter and k, e.g. "int8-k3"); any other key is
-a drafter option passed to `drafters.registry.drafter_factory` (`model=PATH` for draft-model,
-`ngram_max=3`, `layers=0+1+2` for a list). Every speculative configuration is measured
-against the plain one at its temperature, so the list needs one (it is added when missing).
+comma-separated key=value pairs. Keys: `k` (draft length: an integer, or "auto" for the
+controller, which drafts at most `kmax` tokens, default 8), `temperature` (overrides every
+prompt's), `name` (default: the drafter and k, e.g. "int8-k3"); any other key is a drafter option
+passed to `drafters.registry.drafter_factory` (`model=PATH` for draft-model, `ngram_max=3`,
+`layers=0+1+2` for a list). Every speculative configuration is measured against the plain one at
+its temperature, so the list needs one (it is added when missing).
 
 Every check that can fail on the user's input (configurations, batch sizes, workload file,
 category filter, output folder) runs before the model is loaded; drafters are built and checked
@@ -32,10 +33,22 @@ from specdecode.errors import SpecDecodeError
 DEFAULT_LIMIT_PER_CATEGORY = 1  # built-in workload: one prompt of each of its 6 categories
 DEFAULT_MAX_TOKENS_CAP = 64  # built-in workload: cap on every prompt's max_tokens
 DEFAULT_RUNNER_MAX_TOKENS = 128  # prompts that set no max_tokens
+DEFAULT_AUDIT_SAMPLES = 60  # sampled audit: generations per side (2 tokens each)
 TUNE_K_VALUES = "1,2,3,4,6,8"
 TUNE_PROMPTS = 3
 TUNE_MAX_TOKENS = 32
 RESERVED_KEYS = ("k", "temperature", "name")
+BENCH_DESCRIPTION = """\
+Measure plain and speculative decoding side by side on a workload (interleaved, same prompts),
+write results.jsonl, report.json and a self-contained report.html, and print a summary with a
+recommendation. Results are saved as they are measured: after Ctrl-C, --resume continues.
+
+--configs "plain;int8:k=3;ngram:k=4,ngram_max=3": configurations separated by ";", each a
+drafter ("plain" for plain decoding) with optional key=value pairs after ":". Keys: k (an
+integer, or "auto": the controller, drafting at most kmax tokens, default 8), temperature
+(overrides the prompts'), name; other keys are drafter options (model=PATH for draft-model,
+ngram_max=N, layers=0+1+2). A plain baseline is added where one is missing.
+"""
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -97,6 +110,10 @@ def option_value(text: str) -> Any:
     return text
 
 
+def _valid_kmax(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64
+
+
 def default_name(drafter: str, k: int | Literal["auto"], temperature: float | None) -> str:
     """"plain" or "<drafter>-k<k>", with "-t<temperature>" when it overrides the prompts'."""
     name = "plain" if drafter == "none" else f"{drafter}-k{k}"
@@ -124,6 +141,8 @@ def parse_config(item: str, precision: str) -> ConfigSpec:
                                if key not in RESERVED_KEYS}
     if drafter == "none" and options:
         raise SpecDecodeError(f"config {item!r}: plain decoding takes no drafter options")
+    if k == "auto" and not _valid_kmax(options.get("kmax", 8)):
+        raise SpecDecodeError(f"config {item!r}: kmax must be an integer in 1..64")
     name = pairs.get("name") or default_name(drafter, k, temperature)
     return ConfigSpec(name=name, drafter=drafter, k=k, temperature=temperature,
                       precision=precision, options=options)
@@ -165,15 +184,6 @@ def parse_int_list(text: str, what: str, low: int = 1) -> list[int]:
     if not values or values[0] < low:
         raise SpecDecodeError(f"{what} must be integers >= {low}, got {text!r}")
     return values
-
-
-def check_batch_sizes(batch_sizes: Sequence[int]) -> None:
-    """Batch sizes > 1 need the batched engine: refuse them early when it is missing."""
-    from specdecode.bench.inprocess import check_batching
-
-    for b in batch_sizes:
-        if b > 1:
-            check_batching(b)
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -226,20 +236,26 @@ class BenchPlan:
     n_resamples: int | None = None
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """--threads, --max-tokens and --audit-samples, where given, are in range."""
+    for flag, low in (("threads", 1), ("max_tokens", 1), ("audit_samples", 0)):
+        value = getattr(args, flag, None)
+        if value is not None and value < low:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= {low}, got {value}")
+
+
 def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
-    """Check configurations, batch sizes, workload and output folder, in that order."""
+    """Check numbers, configurations, batch sizes, workload and output folder, in that order."""
     from specdecode.bench.harness import config_grid, validate_configs
     from specdecode.bench.store import preflight
 
+    check_numbers(args)
     if args.resume and args.out is None:
         raise SpecDecodeError("--resume needs --out DIR (the folder of the run to continue)")
     configs = parse_configs(args.configs or default_configs_text(), args.precision)
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
-    check_batch_sizes(batch_sizes)
     grid = config_grid(configs, batch_sizes)
     validate_configs(grid)
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise SpecDecodeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     workload = select_workload(args.workload, args.categories, args.limit_per_category,
                                args.strict)
     report_skipped(workload, err)
@@ -258,12 +274,12 @@ def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: i
     from specdecode.models.loading import load_model
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, args.precision, args.backend)
     runner = InProcessRunner(loaded, seed=plan.seed, default_max_tokens=default_max_tokens,
-                             max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template)
+                             max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template,
+                             audit_samples=getattr(args, "audit_samples", 0),
+                             progress=plan.progress)
     runner.fit_capacity(plan.workload.prompts, max(config_k(c) for c in plan.configs))
     runner.check(plan.configs)
     return runner
@@ -376,8 +392,9 @@ def plan_tune(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     """The calibration run's plan, checked before the model is loaded."""
     from specdecode.bench.store import preflight
 
-    if args.prompts < 1 or args.max_tokens < 1:
-        raise SpecDecodeError("--prompts and --max-tokens must be >= 1")
+    check_numbers(args)
+    if args.prompts < 1:
+        raise SpecDecodeError(f"--prompts must be >= 1, got {args.prompts}")
     k_values = parse_int_list(args.k_values, "--k-values")
     if k_values[-1] > 64:
         raise SpecDecodeError(f"--k-values must be in 1..64, got {args.k_values!r}")
@@ -496,7 +513,8 @@ def _add_run_args(p: argparse.ArgumentParser, out_help: str) -> None:
 def add_bench_parser(sub: Any) -> None:
     """`specdecode bench`."""
     b = sub.add_parser("bench", help="measure speculative decoding on a workload; report it",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=BENCH_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(b)
     _add_workload_args(b)
     b.add_argument("--limit-per-category", type=int, default=None,
@@ -510,6 +528,10 @@ def add_bench_parser(sub: Any) -> None:
                    help=f"cap on every prompt's max_tokens (built-in workload default: "
                         f"{DEFAULT_MAX_TOKENS_CAP}; prompts without one get "
                         f"{DEFAULT_RUNNER_MAX_TOKENS})")
+    b.add_argument("--audit-samples", type=int, default=DEFAULT_AUDIT_SAMPLES,
+                   help="generations per side of the sampled losslessness audit of each "
+                        f"speculative config at temperature > 0 (default "
+                        f"{DEFAULT_AUDIT_SAMPLES}; 0: none)")
     b.add_argument("--resume", action="store_true", help="continue the run in --out")
     _add_run_args(b, "output folder (default: runs/<UTC timestamp>)")
     b.set_defaults(func=cmd_bench)

@@ -16,19 +16,20 @@ One request is one turn of one prompt:
   tokenization, identical for every configuration, are left out). TTFT and ITL come from the
   engine's StepOutputs as `records` documents: a step emitting m tokens adds its time since the
   previous emission, then m - 1 zeros. Phase times and counters come from `metrics.Counters`;
-  `rejections` (steps that drafted more tokens than they accepted) is counted step by step.
+  `rejections` (steps that drafted more tokens than they accepted) comes from the Counters.
 
-Batch size > 1 runs the group through `specdecode.engine.run_batch` when the engine has it, and
-is refused otherwise: running the prompts one after another is not a batch.
+Batch size 1 with a fixed k runs each request alone (`Generation.step`, the batch-1 path). Batch
+size > 1 runs each group's turn on an `engine.BatchEngine` (one shared KV cache, one target pass
+for all rows per step), and so does k = "auto" at any batch size, with one `control.Controller`
+per configuration that keeps learning over the run, as a server's would.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import json
 import resource
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -36,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from specdecode import __version__, engine
+from specdecode.audit import audit_sampled
 from specdecode.bench.costcurves import cost_curve, repeating_context, target_rows
 from specdecode.bench.records import (
     AuditVerdict,
@@ -48,6 +51,7 @@ from specdecode.bench.records import (
 )
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt
+from specdecode.control import Controller
 from specdecode.drafters.registry import DrafterFactory, drafter_factory
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
@@ -58,6 +62,10 @@ from specdecode.sampling import SamplingParams
 
 DEFAULT_CAPACITY = 2048  # tokens of one request's context when `fit_capacity` was not called
 TURN_MARGIN = 16  # tokens per turn allowed for a reply re-tokenizing longer than generated
+AUTO_KMAX = 8  # most tokens the controller may draft for k = "auto" (option "kmax")
+RUNNER_OPTIONS = ("kmax",)  # config options the runner reads; the others go to the drafter
+AUDIT_TOKENS = 2  # tokens per outcome of the sampled audit
+DEFAULT_AUDIT = 60  # generations per side of the sampled audit (the CLI default too)
 
 
 # ------------------------------------------------------------------------------ one request
@@ -121,60 +129,49 @@ def generate_one(
     model: Any, tokenizer: Tokenizer, request: TurnRequest, drafter: Any, k: int,
     eos_ids: tuple[int, ...],
 ) -> Finished:
-    """Run one request to completion on the engine, timing every step's emission."""
+    """Run one request alone (`Generation.step`, its own cache), timing every emission."""
     trace = RequestTrace(time.perf_counter())
-    gen = Generation(model, tokenizer, request.prompt_ids, request.params, drafter, k, eos_ids)
-    rejections = 0
+    gen = Generation(model, tokenizer, request.prompt_ids, request.params, drafter, k, eos_ids,
+                     category=request.prompt.category)
     while gen.finish_reason is None:
-        drafted, accepted = gen.counters.drafted, gen.counters.accepted
         out = gen.step()
         trace.observe(out, time.perf_counter())
-        rejections += gen.counters.accepted - accepted < gen.counters.drafted - drafted
     if trace.done is None:
         trace.done = time.perf_counter()
     target_kv, draft_kv = kv_bytes(gen.cache), kv_bytes(getattr(drafter, "cache", None))
     gen.release()
-    return Finished(list(gen.output), trace, gen.counters, rejections, target_kv, draft_kv)
+    return Finished(list(gen.output), trace, gen.counters, gen.counters.rejections, target_kv,
+                    draft_kv)
 
 
 def generate_batch(
-    model: Any, tokenizer: Tokenizer, requests: Sequence[TurnRequest],
-    factory: DrafterFactory | None, k: int, eos_ids: tuple[int, ...],
+    model: Any, tokenizer: Tokenizer, requests: Sequence[TurnRequest], drafters: Sequence[Any],
+    k: int, eos_ids: tuple[int, ...], controller: Controller | None = None,
 ) -> list[Finished]:
-    """Run requests as one batch through `engine.run_batch` (see `check_batching`).
+    """Run requests together on a `BatchEngine` with one cache row each, timing every emission.
 
-    Assumes `run_batch(model, tokenizer, [BatchRequest(prompt_ids, params)], factory, k,
-    eos_ids, on_step=on_step)` calling `on_step(index, StepOutput)` after each step of request
-    `index` and returning objects with `.output`, `.counters` (with `rejections`) and `.cache`.
+    All are submitted at once (the clock starts then); the engine prefills joining requests one
+    chunk per step while the others decode, and scores every active row in one target pass.
+    `k` is each request's draft length, or its maximum when `controller` chooses per step.
     """
-    run_batch = check_batching(len(requests))
-    batch_request = engine.BatchRequest  # type: ignore[attr-defined]
+    gens = [Generation(model, tokenizer, r.prompt_ids, r.params, d, k, eos_ids,
+                       category=r.prompt.category) for r, d in zip(requests, drafters, strict=True)]
+    batch = engine.BatchEngine(model, len(gens), max(g.capacity for g in gens), controller)
     start = time.perf_counter()
-    traces = [RequestTrace(start) for _ in requests]
-
-    def on_step(index: int, out: StepOutput) -> None:
-        traces[index].observe(out, time.perf_counter())
-
-    gens = run_batch(model, tokenizer, [batch_request(r.prompt_ids, r.params) for r in requests],
-                     factory, k, eos_ids, on_step=on_step)
-    end = time.perf_counter()
-    out: list[Finished] = []
-    for gen, trace in zip(gens, traces, strict=True):
-        trace.done = trace.done if trace.done is not None else end
-        out.append(Finished(list(gen.output), trace, gen.counters, int(gen.counters.rejections),
-                            kv_bytes(getattr(gen, "cache", None)), 0))
-    return out
-
-
-def check_batching(batch_size: int) -> Any:
-    """`engine.run_batch` when batch_size > 1 can run as a real batch, else SpecDecodeError."""
-    run_batch = getattr(engine, "run_batch", None)
-    if run_batch is None:
-        raise SpecDecodeError(
-            f"batch size {batch_size} needs the batched engine (specdecode.engine.run_batch), "
-            "which this version does not have; measure batch size 1 (--batch-sizes 1)"
-        )
-    return run_batch
+    traces = {id(g): RequestTrace(start) for g in gens}
+    draft_kv = dict.fromkeys(traces, 0)
+    for gen in gens:
+        batch.submit(gen)
+    while batch.busy:
+        for gen, drafter in zip(gens, drafters, strict=True):  # read before a finish frees it
+            draft_kv[id(gen)] = max(draft_kv[id(gen)], kv_bytes(getattr(drafter, "cache", None)))
+        outputs = batch.step()
+        now = time.perf_counter()
+        for gen, out in outputs:
+            traces[id(gen)].observe(out, now)
+    target_kv = kv_bytes(batch.cache)
+    return [Finished(list(g.output), traces[id(g)], g.counters, g.counters.rejections,
+                     target_kv, draft_kv[id(g)]) for g in gens]
 
 
 def to_sample(config: ConfigSpec, request: TurnRequest, done: Finished) -> RequestSample:
@@ -291,8 +288,9 @@ def factory_key(config: ConfigSpec) -> str:
 
 
 def factory_kwargs(config: ConfigSpec, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """`drafter_factory` keyword arguments from a config's options ("model" -> draft_model),
-    plus `tokenizer` where the factory takes one (layerskip calibrates with it).
+    """`drafter_factory` keyword arguments from a config's options ("model" -> draft_model;
+    `RUNNER_OPTIONS` are the runner's own), plus `tokenizer` where the factory takes one
+    (layerskip calibrates with it).
 
     An option `drafter_factory` does not take raises SpecDecodeError naming it.
     """
@@ -302,6 +300,8 @@ def factory_kwargs(config: ConfigSpec, tokenizer: Tokenizer | None = None) -> di
     own = {"name", "target", "capacity", "tokenizer"}
     kwargs: dict[str, Any] = {}
     for key, value in config.options.items():
+        if key in RUNNER_OPTIONS:
+            continue
         arg = "draft_model" if key == "model" else key
         if arg not in accepted or arg in own:
             raise SpecDecodeError(f"config {config.name}: drafter {config.drafter!r} takes no "
@@ -313,15 +313,14 @@ def factory_kwargs(config: ConfigSpec, tokenizer: Tokenizer | None = None) -> di
 
 
 def config_k(config: ConfigSpec) -> int:
-    """The config's fixed draft length (0 for plain); k = "auto" needs a controller."""
+    """The draft length of a config: 0 for plain, k, or for k = "auto" the most the controller
+    may choose (option "kmax", default `AUTO_KMAX`)."""
     if config.is_plain:
         return 0
-    if not isinstance(config.k, int):
-        raise SpecDecodeError(f"config {config.name}: k={config.k!r} needs the draft-length "
-                              "controller, which the in-process runner does not have yet")
-    if not 1 <= config.k <= engine.MAX_K:
-        raise SpecDecodeError(f"config {config.name}: k must be in 1..{engine.MAX_K}")
-    return config.k
+    k = config.k if isinstance(config.k, int) else config.options.get("kmax", AUTO_KMAX)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= engine.MAX_K:
+        raise SpecDecodeError(f"config {config.name}: k (or kmax) must be in 1..{engine.MAX_K}")
+    return k
 
 
 class InProcessRunner:
@@ -329,13 +328,15 @@ class InProcessRunner:
 
     `capacity` bounds one request's context (prompt + output + k + 1 tokens) for drafters with
     their own KV cache; `fit_capacity` sets it from a workload. `cost_context` / `cost_repeats`
-    size the c(k), v(k) measurement.
+    size the c(k), v(k) measurement, `audit_samples` the sampled audit (0: none); `progress`
+    shows a bar on stderr while auditing.
     """
 
     def __init__(
         self, loaded: LoadedModel, *, seed: int = 0, default_max_tokens: int = 128,
         max_tokens_cap: int | None = None, chat: bool = True, capacity: int | None = None,
-        cost_context: int = 128, cost_repeats: int = 3,
+        cost_context: int = 128, cost_repeats: int = 3, audit_samples: int = DEFAULT_AUDIT,
+        progress: bool = False,
     ) -> None:
         self.loaded = loaded
         self.seed = seed
@@ -346,16 +347,21 @@ class InProcessRunner:
         self.capacity = capacity or min(cfg.max_position, DEFAULT_CAPACITY)
         self.cost_context = min(cost_context, cfg.max_position // 2)
         self.cost_repeats = cost_repeats
+        self.audit_samples = audit_samples
+        self.progress = progress
         self.eos_ids = tuple(sorted(set(loaded.tokenizer.eos_ids) | set(cfg.eos_token_ids)))
         self._factories: dict[str, DrafterFactory | None] = {}
         self._kv: dict[tuple[str, int], tuple[int, int]] = {}
-        self._temperatures: dict[tuple[str, int], set[float]] = {}
+        self._sampled: dict[tuple[str, int], dict[float, TurnRequest]] = {}
+        self._controllers: dict[tuple[str, int], Controller] = {}
+        self._audits: dict[tuple[str, int, float], AuditVerdict] = {}
         self._hash: str | None = None
 
     # ---------------------------------------------------------------- protocol: description
 
     def describe(self) -> RunnerDescription:
-        """Model, precision, weight hash and threads; backend and versions under details."""
+        """Model, precision, weight hash and threads; backend, versions, chat templating and
+        the max_tokens default and cap under details."""
         if self._hash is None:
             self._hash = weights_digest(self.loaded.source)
         return {
@@ -365,7 +371,9 @@ class InProcessRunner:
             "details": {"backend": self.loaded.backend, "source": str(self.loaded.source),
                         "torch": torch.__version__, "specdecode": __version__,
                         "chat_template": self.chat and
-                        self.loaded.tokenizer.chat_template is not None},
+                        self.loaded.tokenizer.chat_template is not None,
+                        "default_max_tokens": self.default_max_tokens,
+                        "max_tokens_cap": self.max_tokens_cap},
         }
 
     # ------------------------------------------------------------------ preparing configs
@@ -412,8 +420,6 @@ class InProcessRunner:
         """Refuse what cannot run before anything is measured; builds every drafter factory."""
         for config in configs:
             config_k(config)
-            if config.batch_size > 1:
-                check_batching(config.batch_size)
             self.factory(config)
 
     # ------------------------------------------------------------------- protocol: run
@@ -438,23 +444,28 @@ class InProcessRunner:
     def _generate(self, requests: Sequence[TurnRequest], config: ConfigSpec) -> list[Finished]:
         factory, k = self.factory(config), config_k(config)
         model, tok = self.loaded.model, self.loaded.tokenizer
-        if config.batch_size > 1:
-            return generate_batch(model, tok, requests, factory, k, self.eos_ids)
-        return [generate_one(model, tok, r, factory() if factory else None, k, self.eos_ids)
-                for r in requests]
+        drafters = [factory() if factory else None for _ in requests]
+        if config.batch_size == 1 and config.k != "auto":
+            return [generate_one(model, tok, r, d, k, self.eos_ids)
+                    for r, d in zip(requests, drafters, strict=True)]
+        controller = None
+        if config.k == "auto":
+            controller = self._controllers.setdefault(config.key, Controller(kmax=k))
+        return generate_batch(model, tok, requests, drafters, k, self.eos_ids, controller)
 
     def _observe(self, config: ConfigSpec, request: TurnRequest, done: Finished) -> None:
-        """Keep the largest KV caches and the temperatures seen, for memory() and audit()."""
+        """Keep the largest KV caches, for memory(), and the latest request at each sampled
+        temperature, for audit()."""
         kv = self._kv.get(config.key, (0, 0))
         self._kv[config.key] = (max(kv[0], done.target_kv), max(kv[1], done.draft_kv))
-        self._temperatures.setdefault(config.key, set()).add(request.params.temperature)
+        if request.params.temperature > 0:
+            self._sampled.setdefault(config.key, {})[request.params.temperature] = request
 
     def run(self, prompts: Sequence[Prompt], config: ConfigSpec) -> list[RequestSample]:
         """Run `prompts` as one batch under `config`, turn by turn; one sample per turn."""
-        if config.batch_size == 1 and len(prompts) != 1:
-            raise SpecDecodeError(f"batch size 1 takes one prompt at a time, got {len(prompts)}")
-        if config.batch_size > 1:
-            check_batching(config.batch_size)
+        if not 1 <= len(prompts) <= config.batch_size:
+            raise SpecDecodeError(f"batch size {config.batch_size} takes 1 to "
+                                  f"{config.batch_size} prompts, got {len(prompts)}")
         replies: dict[str, list[str]] = {p.id: [] for p in prompts}
         samples: list[RequestSample] = []
         for turn in range(max(len(p.turns) for p in prompts)):
@@ -518,27 +529,36 @@ class InProcessRunner:
                             target_kv=target_kv, draft_kv=draft_kv, peak_rss=peak_rss_bytes())
 
     def audit(self, config: ConfigSpec) -> list[AuditVerdict]:
-        """A statistical losslessness audit of `config` at each sampled temperature it ran.
+        """A sampled losslessness audit (`audit.audit_sampled`) of `config` at each temperature
+        > 0 it ran, on the last prompt it ran there; none when `audit_samples` is 0.
 
         Greedy requests need none here: the harness compares their tokens with plain decoding.
+        The audit runs requests alone (batch 1); its verdict is reused for every batch size.
         """
-        temps = sorted(t for t in self._temperatures.get(config.key, ()) if t > 0)
         factory = self.factory(config)
-        if not temps or factory is None:
+        if factory is None or self.audit_samples <= 0:
             return []
-        audit_config = _audit_function()
-        if audit_config is None:
-            # TODO(audit): specdecode.audit.audit_config does not exist yet; until it does,
-            # sampled configurations get no verdict (the report says "no audit verdict").
-            return []
-        return [replace(audit_config(self.loaded.model, self.loaded.tokenizer, factory,
-                                     k=config_k(config), temperature=t, seed=self.seed),
-                        config=config.name, batch_size=config.batch_size) for t in temps]
+        verdicts = []
+        for t, request in sorted(self._sampled.get(config.key, {}).items()):
+            key = (factory_key(config), config_k(config), t)
+            if key not in self._audits:
+                self._audits[key] = self._sampled_audit(config, factory, request)
+            verdicts.append(replace(self._audits[key], config=config.name,
+                                    batch_size=config.batch_size))
+        return verdicts
 
-
-def _audit_function() -> Any:
-    """`specdecode.audit.audit_config` when that module exists, else None."""
-    if importlib.util.find_spec("specdecode.audit") is None:
-        return None
-    module = importlib.import_module("specdecode.audit")
-    return getattr(module, "audit_config", None)
+    def _sampled_audit(self, config: ConfigSpec, factory: DrafterFactory,
+                       request: TurnRequest) -> AuditVerdict:
+        with tqdm(total=self.audit_samples, unit="sample", desc=f"audit {config.name}",
+                  disable=not self.progress, file=sys.stderr, leave=False) as bar:
+            r = audit_sampled(self.loaded.model, request.prompt_ids, request.params, factory,
+                              config_k(config), self.audit_samples, AUDIT_TOKENS, seed=self.seed,
+                              eos=self.eos_ids, progress=lambda i: bar.update(i - bar.n))
+        details = (f"temperature {request.params.temperature:g}, prompt {request.prompt.id}: "
+                   f"first {r.tokens} tokens, {r.samples} plain vs {r.samples} speculative "
+                   f"samples at batch size 1; TV estimate {r.tv_estimate:.3f} (upper bound "
+                   f"{r.tv_upper:.3f}); detects TV >= {r.detectable_tv:.2f} with power 0.99; "
+                   f"fails when p < {r.false_alarm:g}")
+        return AuditVerdict(config=config.name, passed=r.passed, method="sampled-chi-square",
+                            n_compared=r.samples, n_failed=0 if r.passed else 1,
+                            details=details, p_value=r.p_value)

@@ -36,6 +36,17 @@ class DraftModelDrafter:
     def reset(self) -> None:
         self.cache, self.fed = None, []
 
+    def copy_state_from(self, other: DraftModelDrafter) -> None:
+        """Start from another drafter's cache of the same model (e.g. a prefilled prompt)."""
+        if other.cache is None or other.model is not self.model or not hasattr(other.cache, "k"):
+            return
+        n = len(other.fed)
+        self.cache = self.model.new_cache(1, self.capacity)
+        self.cache.k[:, 0, :, :n] = other.cache.k[:, 0, :, :n]
+        self.cache.v[:, 0, :, :n] = other.cache.v[:, 0, :, :n]
+        self.cache.lengths[0] = n
+        self.fed = list(other.fed)
+
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Roll back to the common prefix with `context`, feed the rest; logits of the last one."""
         if self.cache is None:

@@ -50,10 +50,11 @@ def drafter_factory(
             LayerSkipDrafter,
             cached_calibration,
             check_layers,
+            check_native,
             default_budget,
         )
 
-        check_layers(target, range(target.cfg.num_layers))  # a native runner at all?
+        check_native(target)
         kept = tuple(layers) if layers is not None else cached_calibration(
             target, tokenizer, default_budget(target)
         ).layers

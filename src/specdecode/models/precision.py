@@ -138,11 +138,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def quantized_engines() -> list[str]:
+    return list(torch.backends.quantized.supported_engines)
+
+
 def check_supported(precision: str) -> None:
     """Raise SpecDecodeError unless this PyTorch build and CPU can run `precision`."""
     if precision == "fp32":
         return
-    engines = torch.backends.quantized.supported_engines
+    engines = quantized_engines()
     has_fbgemm = "fbgemm" in engines or "x86" in engines
     ops = ("linear_prepack_fp16", "linear_dynamic_fp16") if precision == "bf16" else (
         "linear_prepack", "linear_dynamic")
@@ -153,7 +157,7 @@ def check_supported(precision: str) -> None:
     raise SpecDecodeError(
         f"precision {precision} is not supported on this CPU/build ({cpu_name()}, PyTorch "
         f"{torch.__version__}): it needs the fbgemm (x86) kernels, and this build has quantized "
-        f"engines {list(engines)}{'' if has_ops else ' without the fbgemm linear operators'}; "
+        f"engines {engines}{'' if has_ops else ' without the fbgemm linear operators'}; "
         f"precisions that work here: {', '.join(works)}"
     )
 

@@ -1,0 +1,170 @@
+"""Batched speculative decoding: ragged draft lengths, continuous batching, exactness."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from specdecode.control import AlphaEstimate, Controller, CostModel, expected_tokens
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.faults import FaultyDrafter
+from specdecode.drafters.registry import drafter_factory
+from specdecode.engine import BatchEngine, Generation, run_batch
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import LoadedModel
+from specdecode.sampling import SamplingParams
+from tests.test_engine_sampled import (
+    FALSE_ALARM,
+    PARAMS,
+    PROMPT,
+    SAMPLES,
+    exact_pairs,
+    gof_p_value,
+    models,  # noqa: F401  (fixture)
+)
+
+PROMPTS = [
+    "Summarize: The cat sat on the mat all day, watching birds through the window.",
+    "Write a Python function to reverse a string.",
+    "What is the capital of Japan?",
+    "Translate to French: Good morning, how are you?",
+    "List three colours.",
+    "Tell me a joke about computers.",
+    "Explain recursion in one sentence.",
+    "Name a famous painter.",
+]
+
+
+def _solo(m: LoadedModel, ids: list[int], params: SamplingParams) -> list[int]:
+    gen = Generation(m.model, None, ids, params, None, 0, m.tokenizer.eos_ids)
+    for _ in gen.run():
+        pass
+    return gen.output
+
+
+def test_batch_of_8_greedy_with_ragged_k_is_token_identical(smollm: LoadedModel) -> None:
+    tok = smollm.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+    params = SamplingParams(max_tokens=20)
+    factory = drafter_factory("int8", smollm.model)
+    assert factory is not None
+    engine = BatchEngine(smollm.model, 8, 160)
+    gens = [Generation(smollm.model, None, x, params, factory(), 1 + i % 4, tok.eos_ids)
+            for i, x in enumerate(ids)]
+    run_batch(engine, gens)
+    for gen, x in zip(gens, ids, strict=True):
+        assert gen.output == _solo(smollm, x, params)
+    assert sum(g.counters.accepted for g in gens) > 0
+    assert engine.cache.lengths == [0] * 8 and not engine.busy
+
+
+def test_continuous_batching_join_leave_and_cancel(models: Any) -> None:  # noqa: F811
+    target, draft, _ = models
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [1, 2], [12, 13, 14, 15], [5, 5, 5, 5, 5, 5, 5]]
+
+    def make(i: int, p: list[int]) -> Generation:
+        return Generation(target, None, p, SamplingParams(**{**params.__dict__, "seed": i}),
+                          DraftModelDrafter(draft), 1 + i % 3)
+
+    solo = []
+    for i, p in enumerate(prompts):
+        g = make(i, p)
+        for _ in g.run():
+            pass
+        solo.append(g.output)
+    engine = BatchEngine(target, 2, 32, prefill_chunk=2)  # 2 rows for 5 requests: a queue
+    gens = [make(i, p) for i, p in enumerate(prompts)]
+    run_batch(engine, gens)
+    assert [g.output for g in gens] == solo  # seeded: independent of the batch around it
+    victim, other = make(0, prompts[0]), make(1, prompts[1])
+    engine.submit(victim)
+    engine.submit(other)
+    while len(engine.active) < 2:
+        engine.step()
+    engine.step()
+    engine.cancel(victim)
+    assert victim.finish_reason == "cancelled" and victim.cache is None
+    assert len(engine.active) == 1 and engine.active[0] is other and other.row == 0
+    assert engine.cache.lengths[1] == 0
+    while engine.busy:
+        engine.step()
+    assert other.output == solo[1]
+
+
+def test_oversized_request_is_refused(models: Any) -> None:  # noqa: F811
+    target = models[0]
+    engine = BatchEngine(target, 2, 16)
+    gen = Generation(target, None, [1, 2, 3], SamplingParams(max_tokens=40))
+    with pytest.raises(SpecDecodeError, match="holds 16"):
+        engine.submit(gen)
+
+
+def _batched_pairs(target: Any, make_drafter: Any, k: int, n: int) -> Any:
+    from collections import Counter
+
+    counts: Counter[tuple[int, int]] = Counter()
+    engine = BatchEngine(target, 8, 16)
+    for start in range(0, n, 8):
+        gens = [Generation(target, None, PROMPT,
+                           SamplingParams(**{**PARAMS.__dict__, "seed": 50_000 + s}),
+                           make_drafter(), k) for s in range(start, min(n, start + 8))]
+        run_batch(engine, gens)
+        counts.update((g.output[0], g.output[1]) for g in gens)
+    return counts
+
+
+def test_sampled_distribution_holds_at_batch_8(models: Any) -> None:  # noqa: F811
+    target, draft, other = models
+    exact = exact_pairs(target, PARAMS)
+    good = _batched_pairs(target, lambda: DraftModelDrafter(draft), 2, SAMPLES)
+    assert gof_p_value(good, exact) > FALSE_ALARM
+    bad = _batched_pairs(target, lambda: FaultyDrafter(draft, "q-from-other-model", other), 2,
+                         SAMPLES)
+    assert gof_p_value(bad, exact) < FALSE_ALARM
+
+
+def _controller(alpha_draft_s: float, flat: bool) -> Controller:
+    costs = CostModel(draft_token_s=alpha_draft_s)
+    for batch in (1, 32):
+        for width in range(1, 6):
+            growth = 0.02 if flat and batch == 1 else 0.9
+            costs.target_s[(batch, width)] = 0.05 * batch ** 0.3 * (1 + growth * (width - 1))
+    return Controller(kmax=4, costs=costs, probe_every=4)
+
+
+def test_controller_turns_speculation_on_where_it_pays_and_off_where_it_does_not() -> None:
+    ctl = _controller(0.005, flat=True)
+    assert ctl.choose([AlphaEstimate(0.9)]) == [4]  # high alpha, cheap verification
+    assert ctl.choose([AlphaEstimate(0.05)]) == [0]  # acceptance collapsed
+    steep = _controller(0.005, flat=False)
+    assert steep.choose([AlphaEstimate(0.9)] * 32) == [0] * 32  # verification no longer free
+    mixed = ctl.choose([AlphaEstimate(0.9), AlphaEstimate(0.02)])
+    assert mixed[0] > 0 and mixed[1] == 0
+
+
+def test_controller_probes_and_comes_back_on() -> None:
+    ctl = _controller(0.005, flat=True)
+    alpha = AlphaEstimate(0.05)
+    picks = [ctl.choose([alpha])[0] for _ in range(8)]
+    assert picks.count(1) == 2 and picks.count(0) == 6  # a probe every 4 steps
+    alpha.observe([1.0] * 30)  # the probes start being accepted: alpha recovers
+    assert ctl.choose([alpha])[0] > 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_batch_engine_with_controller_stays_lossless(smollm: LoadedModel) -> None:
+    tok = smollm.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+           for p in PROMPTS[:4]]
+    params = SamplingParams(max_tokens=16)
+    factory = drafter_factory("int8", smollm.model)
+    assert factory is not None
+    ctl = Controller(kmax=4)
+    engine = BatchEngine(smollm.model, 4, 128, controller=ctl)
+    gens = [Generation(smollm.model, None, x, params, factory(), 4, tok.eos_ids) for x in ids]
+    run_batch(engine, gens)
+    for gen, x in zip(gens, ids, strict=True):
+        assert gen.output == _solo(smollm, x, params)
+    assert ctl.costs.draft_token_s is not None and ctl.costs.target_s

@@ -1,0 +1,129 @@
+"""Target precisions (bf16, int8) of the native runner and their agreement with fp32."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.agreement import BUILTIN_TEXT, agreement, compare_logits
+from specdecode.errors import SpecDecodeError
+from specdecode.models import precision
+from specdecode.models.config import config_from_hf, read_hf_config
+from specdecode.models.loading import LoadedModel, load_native
+from specdecode.models.precision import apply_precision, float_weight, quantize_int8
+from tests.conftest import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    folder = make_checkpoint(tmp_path_factory.mktemp("p") / "m", tie_word_embeddings=True)
+    return load_native(folder, config_from_hf(read_hf_config(folder)))
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(ids, model.new_cache(ids.shape[0], 64))
+
+
+IDS = torch.randint(96, (2, 20), generator=torch.Generator().manual_seed(3))
+
+
+def test_bf16_holds_exactly_the_bf16_rounded_weights(tiny: torch.nn.Module) -> None:
+    """Exactly, where |w| >= 2^-14; below (fp16 subnormals) within 2^-25."""
+    model = apply_precision(tiny, "bf16")
+    tiny_values = 0
+    for src, dst in zip(tiny.layers, model.layers, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):
+            ref = getattr(src, name).weight.detach().bfloat16().float()
+            err = (float_weight(getattr(dst, name))[0] - ref).abs()
+            normal = ref.abs() >= 2**-14
+            assert err[normal].max() == 0 and err[~normal].max() <= 2**-25
+            tiny_values += int((~normal).sum())
+    assert tiny_values > 0  # the random checkpoint does exercise the subnormal case
+    ref = tiny.embed.weight.detach().bfloat16().float()
+    assert torch.equal(float_weight(model.lm_head)[0], ref)
+    assert torch.equal(model.embed(torch.arange(96)), ref)
+
+
+def test_int8_is_symmetric_per_output_channel(tiny: torch.nn.Module) -> None:
+    model = quantize_int8(tiny)
+    w = tiny.layers[1].gate_up.weight.detach()
+    got = float_weight(model.layers[1].gate_up)[0]
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    assert (got - w).abs().le(scale / 2 + 1e-7).all()  # rounding to the row's grid
+    assert torch.allclose(got / scale, (got / scale).round(), atol=1e-3)
+    assert model.weight_bytes() < tiny.weight_bytes() / 3
+
+
+def test_precisions_leave_the_fp32_model_unchanged(tiny: torch.nn.Module) -> None:
+    before = _logits(tiny, IDS)
+    for p in ("bf16", "int8"):
+        apply_precision(tiny, p)
+    assert tiny.precision == "fp32" and isinstance(tiny.layers[0].qkv, torch.nn.Linear)
+    assert torch.equal(_logits(tiny, IDS), before)
+    assert apply_precision(tiny, "fp32") is tiny
+
+
+def test_precision_logits_track_fp32_and_bf16_tracks_closer(tiny: torch.nn.Module) -> None:
+    ref = _logits(tiny, IDS)
+    err = {p: float((_logits(apply_precision(tiny, p), IDS) - ref).abs().max() / ref.abs().max())
+           for p in ("bf16", "int8")}
+    assert 0 < err["bf16"] < 0.02
+    assert err["bf16"] < err["int8"] < 0.2
+
+
+def test_int8_copy_of_a_copy_runs(tiny: torch.nn.Module) -> None:
+    """The int8 drafter quantizes a deep copy of the target, which may itself be bf16."""
+    for target in (tiny, apply_precision(tiny, "bf16"), apply_precision(tiny, "int8")):
+        draft = quantize_int8(copy.deepcopy(target))
+        assert draft.precision == "int8"
+        assert _logits(draft, IDS).shape == (2, 20, 96)
+
+
+def test_unsupported_precision_names_the_precision_the_cpu_and_what_works(
+    tiny: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(precision, "quantized_engines", lambda: ["qnnpack"])
+    for p in ("bf16", "int8"):
+        with pytest.raises(SpecDecodeError, match=rf"precision {p} .*{precision.cpu_name()}"
+                           r".*fbgemm.*precisions that work here: fp32$"):
+            apply_precision(tiny, p)
+    with pytest.raises(SpecDecodeError, match=r"unknown precision 'fp8' \(supported: fp32, bf16"):
+        apply_precision(tiny, "fp8")
+
+
+def test_compare_logits_sees_disagreement() -> None:
+    ref = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
+    assert compare_logits(ref, ref) == (1.0, 0.0, 0.0)
+    top1, mean_kl, max_kl = compare_logits(ref, torch.tensor([[3.0, 1.0, 0.0], [0.0, 1.0, 2.0]]))
+    assert top1 == 0.5 and 0 < mean_kl < max_kl
+
+
+def test_agreement_with_fp32_on_smollm(smollm: LoadedModel) -> None:
+    """bf16 follows fp32 closely, int8 (dynamic activations) less; the measure can fail."""
+    fp32 = smollm.model
+    ids = smollm.tokenizer.encode(BUILTIN_TEXT)
+    assert len(ids) >= 300
+    same = agreement(fp32, fp32, ids, chunk=32)
+    assert (same.top1, same.mean_kl) == (1.0, 0.0)
+    bf16 = agreement(fp32, apply_precision(fp32, "bf16"), ids, chunk=32)
+    int8 = agreement(fp32, apply_precision(fp32, "int8"), ids, chunk=32)
+    assert bf16.top1 >= 0.97 and bf16.mean_kl < 1e-3
+    assert int8.top1 < bf16.top1 and int8.mean_kl > 10 * bf16.mean_kl
+    broken = copy.deepcopy(fp32)
+    with torch.no_grad():
+        broken.layers[12].down.weight.mul_(1.5)
+    hurt = agreement(fp32, broken, ids, chunk=32)
+    assert hurt.top1 < 0.99 and hurt.mean_kl > 1e-3
+
+
+def test_adapter_backend_runs_fp32_only(tmp_path: Path) -> None:
+    """An adapter-backed model has only fp32."""
+    from specdecode.models.hf_adapter import load_transformers
+
+    folder = make_checkpoint(tmp_path / "m")
+    with pytest.raises(SpecDecodeError, match="not available on the transformers backend"):
+        apply_precision(load_transformers(folder), "bf16")
