@@ -14,8 +14,9 @@ so the batch rate is sum_i E(k_i) / (draft_s * sum_i k_i + t(B, K + 1)). For eac
 picks each k_i by its marginal value against the current best rate, then keeps the best K. K = 0 is
 plain decoding, chosen whenever nothing else is expected to pay: at low alpha, or when the batch
 is large enough that scoring more positions is no longer nearly free. A request whose speculation
-is off drafts one token every `probe_every` steps so its alpha keeps being measured and
-speculation comes back when it pays again.
+is off drafts one token every `probe_every` steps (all such requests in the same step, so a
+probe widens one batch step, not many) so its alpha keeps being measured and speculation comes
+back when it pays again.
 """
 
 from __future__ import annotations
@@ -77,7 +78,6 @@ class AlphaEstimate:
 
     value: float = DEFAULT_PRIOR
     weight: float = 0.1  # how much one verified position moves the estimate
-    idle_steps: int = 0
 
     def observe(self, samples: list[float]) -> None:
         for s in samples:
@@ -90,6 +90,7 @@ class Controller:
     costs: CostModel = field(default_factory=CostModel)
     probe_every: int = 16
     priors: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
 
     def new_estimate(self, category: str | None = None) -> AlphaEstimate:
         return AlphaEstimate(self.priors.get(category or "", DEFAULT_PRIOR))
@@ -97,6 +98,7 @@ class Controller:
     def choose(self, alphas: list[AlphaEstimate]) -> list[int]:
         """Draft length per request for the next step (0 = off)."""
         batch = len(alphas)
+        self.steps += 1
         draft_s = self.costs.draft_token_s
         if batch == 0 or self.kmax == 0:
             return [0] * batch
@@ -112,17 +114,9 @@ class Controller:
             rate = emitted / (draft_s * sum(ks) + self.costs.target(batch, max(ks) + 1))
             if rate > best_rate:
                 best_rate, best = rate, ks
-        return [self._probe(a, k) for a, k in zip(alphas, best, strict=True)]
-
-    def _probe(self, alpha: AlphaEstimate, k: int) -> int:
-        if k > 0:
-            alpha.idle_steps = 0
-            return k
-        alpha.idle_steps += 1
-        if alpha.idle_steps >= self.probe_every:
-            alpha.idle_steps = 0
-            return 1
-        return 0
+        if self.steps % self.probe_every == 0:  # all requests that are off probe together,
+            return [max(k, 1) for k in best]  # so a probe widens one step, not many
+        return best
 
 
 def _best_k(alpha: float, width_k: int, token_cost: float) -> int:
