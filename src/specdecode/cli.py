@@ -34,7 +34,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="none", help="none | draft-model | int8")
+    p.add_argument("--drafter", default="none",
+                   help="none | int8 | ngram | layerskip | draft-model (with --draft-model)")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --drafter draft-model")
     p.add_argument("--k", default="auto",
                    help="draft length 1..64, or auto (default): the controller picks 0..--kmax "
@@ -99,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
-    factory = drafter_factory(args.drafter, loaded.model, args.draft_model)
+    factory = drafter_factory(args.drafter, loaded.model, args.draft_model, tokenizer=tok)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode(text), params,
                      factory() if factory else None, args.k, eos)
@@ -143,13 +144,14 @@ def _audit_drafter(args: argparse.Namespace, loaded: Any) -> Any:
     from specdecode.drafters.faults import FaultyDrafter
     from specdecode.drafters.registry import drafter_factory
 
-    factory = drafter_factory(args.drafter, loaded.model, args.draft_model)
+    factory = drafter_factory(args.drafter, loaded.model, args.draft_model,
+                              tokenizer=loaded.tokenizer)
     if factory is None:
         raise SpecDecodeError("the audit needs a drafter (--drafter int8, ngram, ...)")
     if args.inject_fault is None:
         return factory
     draft_model = getattr(factory(), "model", None)
-    if draft_model is None:
+    if draft_model is None or not hasattr(draft_model, "cfg") or args.drafter == "layerskip":
         raise SpecDecodeError(f"--inject-fault needs a model-based drafter, not {args.drafter}")
     other = loaded.model if args.inject_fault == "q-from-other-model" else None
     return lambda: FaultyDrafter(draft_model, args.inject_fault, other)

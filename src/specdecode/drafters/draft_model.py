@@ -26,6 +26,8 @@ def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
 
 
 class DraftModelDrafter:
+    """Drafts with `model` in its own KV cache, which grows with the request up to `capacity`."""
+
     def __init__(self, model: Any, name: str = "draft-model", capacity: int = 4096) -> None:
         self.name = name
         self.model = model
@@ -41,16 +43,29 @@ class DraftModelDrafter:
         if other.cache is None or other.model is not self.model or not hasattr(other.cache, "k"):
             return
         n = len(other.fed)
-        self.cache = self.model.new_cache(1, self.capacity)
+        self.cache = self.model.new_cache(1, other.cache.capacity)
         self.cache.k[:, 0, :, :n] = other.cache.k[:, 0, :, :n]
         self.cache.v[:, 0, :, :n] = other.cache.v[:, 0, :, :n]
         self.cache.lengths[0] = n
         self.fed = list(other.fed)
 
+    def _reserve(self, tokens: int) -> None:
+        """Make the cache hold `tokens` positions: allocate, or grow (doubling) with one copy."""
+        if self.cache is not None and self.cache.capacity >= tokens:
+            return
+        size = min(self.capacity, max(tokens, 128, 2 * getattr(self.cache, "capacity", 0)))
+        old, self.cache = self.cache, self.model.new_cache(1, size)
+        if old is not None and hasattr(old, "k"):
+            n = old.lengths[0]
+            self.cache.k[:, 0, :, :n] = old.k[:, 0, :, :n]
+            self.cache.v[:, 0, :, :n] = old.v[:, 0, :, :n]
+            self.cache.lengths[0] = n
+        elif old is not None:  # a cache without tensors to copy: start again
+            self.fed = []
+
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Roll back to the common prefix with `context`, feed the rest; logits of the last one."""
-        if self.cache is None:
-            self.cache = self.model.new_cache(1, self.capacity)
+        self._reserve(len(context) + 1)
         n = 0
         limit = min(len(self.fed), len(context) - 1)  # always feed at least one token
         while n < limit and self.fed[n] == context[n]:
@@ -75,6 +90,7 @@ class DraftModelDrafter:
         ctx = context.tolist()
         if len(ctx) + k + 1 > self.capacity:
             return Draft(_EMPTY, None)
+        self._reserve(len(ctx) + k + 1)
         logits = self._sync(ctx)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
