@@ -236,9 +236,9 @@ class BatchEngine:
     Active requests occupy rows 0..n-1 (compacted when one leaves, by one row copy), so each
     step's single target forward runs over a prefix view of the cache. Every request has its own
     draft length (ragged rows, padded to the widest), its own KV length and its own generator.
-    Requests join between steps: a joining request's prompt is prefilled in chunks of
-    `prefill_chunk` tokens, one chunk per step, in its own small cache, then adopted into a row,
-    so a long prompt never stalls the running requests for more than one chunk.
+    Requests join between steps: joining prompts are prefilled, at most `prefill_chunk` tokens
+    per step, each in its own small cache, then adopted into a row, so a long prompt never
+    stalls the running requests for more than one chunk of work per step.
     """
 
     def __init__(self, model: Any, max_batch: int, max_seq_len: int,
@@ -302,9 +302,21 @@ class BatchEngine:
         return outputs
 
     def _admit(self) -> None:
+        """Queue -> joining while rows are free; then at most `prefill_chunk` prompt tokens of
+        prefill this step, adopting every joining request whose prompt is done."""
         while self.waiting and len(self.active) + len(self.joining) < self.max_batch:
             self.joining.append(self.waiting.popleft())
-        if self.joining and self.joining[0].prefill(self.prefill_chunk):
+        budget = self.prefill_chunk
+        while self.joining:
+            gen = self.joining[0]
+            if not gen.prefilled:
+                if budget <= 0:
+                    break
+                before = gen._prefilled
+                gen.prefill(budget)
+                budget -= gen._prefilled - before
+            if not gen.prefilled:
+                break
             self._adopt(self.joining.popleft())
 
     def _adopt(self, gen: Generation) -> None:

@@ -6,7 +6,9 @@ logits for the positions asked for. Explicit position ids serve token trees; `la
 subset of blocks for layer-skipping self-speculation.
 
 Weights use Hugging Face names and layouts (q/k rows in rotate-half RoPE order); q/k/v and
-gate/up projections are fused into one matmul each to cut per-layer overhead.
+gate/up projections are fused into one matmul each, and RoPE rotates q and k together, to cut
+per-layer overhead. Activations, norms, softmax and the KV cache are fp32 at every precision;
+`with_precision` swaps the weight matrices for bf16 or int8 kernels (models.precision).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, in three elementwise kernels.
+    """Rotate-half RoPE, x * cos + rotate_half(x) * sin: one copy and three elementwise kernels.
 
     x: (B, T, heads, D); cos, sin_signed: (B, T, 1, D) with sin_signed = cat(-sin, sin) over the
     two halves, so rotate_half(x) * sin == swap_halves(x) * sin_signed bit for bit.
@@ -52,17 +54,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + swapped * sin_signed
 
 
+TALL_ROWS = range(2, 5)  # row counts that Linear computes as (W @ x^T)^T
+
+
+class Linear(nn.Linear):
+    """nn.Linear on fp32 weights, choosing MKL's faster orientation by the number of rows.
+
+    With 2-4 rows, sgemm is 1.2-1.4x faster on AVX2 computing y^T = W x^T than y = x W^T (the
+    weight stays in the Hugging Face (out, in) layout either way). One row (a GEMV) and five or
+    more run as nn.Linear, so plain decoding keeps nn.Linear's numerics.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows not in TALL_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()  # (rows, out), transposed layout
+        y = y.contiguous() if self.bias is None else y + self.bias
+        return y.view(*x.shape[:-1], -1)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.qkv: nn.Module = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
-        self.o: nn.Module = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qkv: nn.Module = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
+        self.o: nn.Module = Linear(q, cfg.hidden_size, bias=False)
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.gate_up: nn.Module = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down: nn.Module = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: nn.Module = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down: nn.Module = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(
         self,
@@ -122,7 +144,7 @@ class LlamaModel(nn.Module):
         self.embed: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.inv_freq: torch.Tensor

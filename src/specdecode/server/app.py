@@ -1,0 +1,123 @@
+"""The routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+A generation request goes: schema validation (pydantic, strict) -> model name and unsupported
+fields -> prompt tokenized and sampling parameters checked (in a worker thread: a long prompt
+never stalls the event loop) -> admission (429 when running + queued requests are at the limit)
+-> submitted to the engine thread -> streamed as SSE or collected into one JSON body. Every
+refusal before submission is a 4xx with an OpenAI error body; once submitted, the request's
+`Submission.close()` runs however it ends, cancelling an unfinished generation at once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+import specdecode
+from specdecode.sampling import SamplingParams
+from specdecode.server import prepare
+from specdecode.server.errors import install_handlers
+from specdecode.server.metrics import CONTENT_TYPE
+from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest
+from specdecode.server.state import ServerState
+from specdecode.server.streaming import EventStream, Shape, Submission, collect, stream_events
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The ASGI app over `state`; its lifespan starts and stops the engine thread."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.worker.start()
+        yield
+        state.worker.stop()
+
+    app = FastAPI(title="specdecode", version=specdecode.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    install_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)
+    if state.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)  # outermost: runs first
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Complete one prompt (text or token ids); stream=true for server-sent events."""
+        return await _generate(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Answer messages rendered with the model's chat template; stream=true for SSE."""
+        return await _generate(state, body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """The one model this server serves."""
+        s = state.served
+        return {"object": "list", "data": [{
+            "id": s.name, "object": "model", "created": s.created, "owned_by": "specdecode",
+            "root": s.loaded_name, "max_model_len": s.window,
+        }]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the engine thread runs, 503 otherwise."""
+        ok = state.worker.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text exposition (see specdecode.server.metrics for the names)."""
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
+                    request: Request) -> Response:
+    """Validate, admit and run one generation request; stream it or answer with one body."""
+    served = state.served
+    prepare.check_model(served, req.model)
+    chat = isinstance(req, ChatCompletionRequest)
+    if isinstance(req, ChatCompletionRequest):
+        prepare.check_chat(req)
+    else:
+        prepare.check_completion(req)
+    prompt_ids, params = await run_in_threadpool(_prompt_and_params, served, req)
+    gen = prepare.new_generation(served, prompt_ids, params)
+    state.admit()
+    sub = Submission(state.worker, gen, state.metrics, state.release)
+    shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                  served.created, served.name)
+    if req.stream:
+        with_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return EventStream(stream_events(sub, shape, with_usage), sub.close)
+    try:
+        text = await collect(sub, request.is_disconnected)
+    finally:
+        sub.close()
+    if text is None:  # the client left: nobody reads this reply
+        return Response(status_code=499)
+    return JSONResponse(shape.whole(text, sub.finish_reason, sub.usage()))
+
+
+def _prompt_and_params(served: prepare.ServedModel,
+                       req: CompletionRequest | ChatCompletionRequest
+                       ) -> tuple[list[int], SamplingParams]:
+    """Token ids of the prompt and the sampling parameters, max_tokens fitted to the context."""
+    if isinstance(req, ChatCompletionRequest):
+        ids = prepare.chat_prompt(req, served)
+        requested = req.max_completion_tokens or req.max_tokens
+        limit = prepare.max_tokens(requested, len(ids), served.window, None, "messages")
+    else:
+        ids = prepare.completion_prompt(req, served)
+        limit = prepare.max_tokens(req.max_tokens, len(ids), served.window,
+                                   prepare.DEFAULT_COMPLETION_TOKENS, "prompt")
+    return ids, prepare.sampling_params(req, limit, served.vocab_size)

@@ -1,0 +1,82 @@
+"""`specdecode serve`: the OpenAI-compatible server (`register` adds it to the CLI's parser).
+
+It binds 127.0.0.1 unless told otherwise. With --api-key (or SPECDECODE_API_KEY) every /v1/*
+and /metrics request needs `Authorization: Bearer KEY`. Every check that can fail on the
+user's input runs before the model loads; a taken port is one error line, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from typing import Any
+
+from specdecode.cli import _add_drafter_args, _add_model_args, _check_k
+from specdecode.server.state import ServeOptions
+
+API_KEY_ENV = "SPECDECODE_API_KEY"
+
+
+def register(subparsers: Any) -> None:
+    """Add the `serve` subcommand to the CLI's subparsers (it sets `func`)."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (speculative, batched)")
+    _add_model_args(p)
+    _add_drafter_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together: rows of the shared KV cache (default 8)")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="tokens per cache row: prompt + max_tokens + draft room (default 2048)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests queued beyond --max-batch; more get 429 (default 64)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: its name)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """ServeOptions from parsed arguments (after _check_k), checked."""
+    options = ServeOptions(
+        drafter=args.drafter, draft_model=args.draft_model, k=args.k, auto=args.auto,
+        max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_queue=args.max_queue,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        served_model_name=args.served_model_name,
+    )
+    options.check()
+    return options
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specdecode.models.loading import load_model
+    from specdecode.server.app import create_app
+    from specdecode.server.background import bind_socket, uvicorn_server
+    from specdecode.server.state import build_state
+
+    _check_k(args)
+    options = options_from_args(args)
+    sock = bind_socket(args.host, args.port)
+    if not _is_loopback(args.host) and options.api_key is None:
+        print(f"specdecode: warning: listening on {args.host} without an API key",
+              file=sys.stderr)
+    loaded = load_model(args.model, args.precision, args.backend)
+    state = build_state(loaded, options)
+    host, port = sock.getsockname()[:2]
+    print(f"specdecode: serving {state.served.name} at http://{host}:{port}/v1 "
+          f"(drafter {options.drafter}, k {'auto' if options.auto else options.k})",
+          file=sys.stderr)
+    uvicorn_server(create_app(state), args.log_level).run(sockets=[sock])
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

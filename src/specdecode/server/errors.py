@@ -1,0 +1,126 @@
+"""OpenAI-style errors: every failure a client sees is {"error": {message, type, param, code}}.
+
+Handlers installed by `install_handlers` turn request-validation failures into 400s, routing
+failures (unknown path, wrong method) into their 4xx, and anything unexpected into a logged 500
+with the same body shape, so no client ever sees a traceback or an empty reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("specdecode.server")
+
+_TYPES = {
+    401: ("authentication_error", "invalid_api_key"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "server_busy"),
+    500: ("server_error", "internal_error"),
+    503: ("server_error", "unavailable"),
+}
+
+
+_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "typed-dict"})
+
+
+class APIError(Exception):
+    """A request the server refuses: an HTTP status and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, error_type: str | None = None) -> None:
+        super().__init__(message)
+        default_type, default_code = _TYPES.get(status, ("invalid_request_error", None))
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code or default_code
+        self.error_type = error_type or default_type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def error_body(message: str, error_type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def param_path(loc: Sequence[Any]) -> str | None:
+    """'messages[0].content' for a pydantic location ('body', 'messages', 0, 'content')."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_union_tag(str(part)):
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def _is_union_tag(part: str) -> bool:
+    """Pydantic names the member of a union it tried ('str', 'list[...]', 'constrained-str')."""
+    return "[" in part or "-" in part or part in _TAGS
+
+
+def validation_api_error(exc: RequestValidationError) -> APIError:
+    """One 400 describing the first problem pydantic found in the body."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    # a union reports one error per member: prefer one that is not a mere type mismatch
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    kind, loc = str(first.get("type", "")), tuple(first.get("loc", ()))
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON ({detail})", code="invalid_json")
+    param = param_path(loc)
+    if param is None:
+        return APIError(400, "the request body must be a JSON object, sent with "
+                             "Content-Type: application/json", code="invalid_body")
+    if kind == "missing":
+        return APIError(400, f"missing required field '{param}'", param, "missing_field")
+    return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param, "invalid_value")
+
+
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_api_error(exc).response()
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code if 400 <= exc.status_code < 600 else 400
+    message = str(exc.detail) if exc.detail else "request refused"
+    if status == 404:
+        message = f"no route {request.method} {request.url.path}"
+    return APIError(status, message).response(headers=dict(exc.headers or {}))
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error serving %s %s", request.method, request.url.path)
+    return APIError(500, "internal server error (logged on the server)").response()
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Register the handlers that give every error the OpenAI body shape."""
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

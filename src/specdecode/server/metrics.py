@@ -1,0 +1,116 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps never share counters).
+
+Names follow vLLM's (without its "vllm:" prefix), so one scraper or report reads both:
+
+- spec_decode_num_drafts_total: verification steps that had at least one draft token;
+- spec_decode_num_draft_tokens_total, spec_decode_num_accepted_tokens_total;
+- spec_decode_num_accepted_tokens_per_pos_total{position}: accepted draft tokens at each draft
+  position (0 = the first draft token). accepted / draft tokens is NOT alpha when k > 1;
+  mean acceptance length = 1 + accepted / drafts over steps that drafted;
+- time_to_first_token_seconds, inter_token_latency_seconds (the gap between two successive
+  token-carrying outputs of a request: one engine step, which may emit several tokens),
+  e2e_request_latency_seconds: histograms, measured where the server hands text to the client;
+- num_requests_running (decoding or prefilling), num_requests_waiting (queued): gauges;
+- kv_cache_usage_perc (tokens held / token capacity of the shared cache, 0..1),
+  kv_cache_used_rows, kv_cache_rows: gauges;
+- prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
+  (stop, length, abort) counters.
+
+Every series carries the label model_name. Counters and histograms are thread-safe: the engine
+thread updates the speculation counters and gauges, the event loop the per-request ones.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+class ServerMetrics:
+    """The server's counters, histograms and gauges, and their text exposition."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+        self._drafts = Counter("spec_decode_num_drafts", "Steps that verified a draft.", m,
+                               registry=r).labels(model_name)
+        self._draft_tokens = Counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                     m, registry=r).labels(model_name)
+        self._accepted = Counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                 m, registry=r).labels(model_name)
+        self._per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by draft position.",
+                                [*m, "position"], registry=r)
+        self._ttft = Histogram("time_to_first_token_seconds", "Time to first token.", m,
+                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self._itl = Histogram("inter_token_latency_seconds", "Gap between token outputs.", m,
+                              buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self._e2e = Histogram("e2e_request_latency_seconds", "Request latency.", m,
+                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self._running = Gauge("num_requests_running", "Requests decoding or prefilling.", m,
+                              registry=r).labels(model_name)
+        self._waiting = Gauge("num_requests_waiting", "Requests queued.", m,
+                              registry=r).labels(model_name)
+        self._kv_usage = Gauge("kv_cache_usage_perc", "KV cache tokens held / capacity (0-1).",
+                               m, registry=r).labels(model_name)
+        self._kv_rows_used = Gauge("kv_cache_used_rows", "KV cache rows in use.", m,
+                                   registry=r).labels(model_name)
+        self._kv_rows = Gauge("kv_cache_rows", "KV cache rows (max batch).", m,
+                              registry=r).labels(model_name)
+        self._prompt_tokens = Counter("prompt_tokens", "Prompt tokens of finished requests.",
+                                      m, registry=r).labels(model_name)
+        self._generation_tokens = Counter("generation_tokens", "Tokens generated.", m,
+                                          registry=r).labels(model_name)
+        self._success = Counter("request_success", "Finished requests, by finish reason.",
+                                [*m, "finished_reason"], registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return bytes(generate_latest(self.registry))
+
+    def observe_step(self, drafted: int, accepted: int, accepted_per_pos: list[int]) -> None:
+        """One verification step of one request: `accepted_per_pos[i]` is 0 or 1 per position."""
+        if drafted <= 0:
+            return
+        self._drafts.inc()
+        self._draft_tokens.inc(drafted)
+        self._accepted.inc(accepted)
+        for pos, count in enumerate(accepted_per_pos):
+            if count:
+                self._per_pos.labels(self.model_name, str(pos)).inc(count)
+
+    def set_engine_state(self, running: int, waiting: int, used_rows: int, rows: int,
+                         used_tokens: int, capacity_tokens: int) -> None:
+        """Gauges describing the engine after a loop iteration."""
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._kv_rows_used.set(used_rows)
+        self._kv_rows.set(rows)
+        self._kv_usage.set(used_tokens / capacity_tokens if capacity_tokens else 0.0)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_finished(self, reason: str, prompt_tokens: int, generation_tokens: int,
+                         seconds: float) -> None:
+        """A request left the engine: finished (stop, length) or cancelled (abort)."""
+        self._success.labels(self.model_name, FINISH_REASONS.get(reason, reason)).inc()
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(generation_tokens)
+        self._e2e.observe(seconds)

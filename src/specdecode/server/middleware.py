@@ -1,0 +1,130 @@
+"""Two plain ASGI middlewares that run before any route: the API key and the body size limit.
+
+The API key check runs first (outermost), so an unauthenticated client cannot make the server
+buffer a body. The body limit reads the whole body up front (refusing it with 413 as soon as it
+passes the limit, or at once when Content-Length says so), then replays it to the app; later
+receive() calls go to the client, so a disconnect is still seen.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specdecode.server.errors import APIError
+
+PROTECTED_PREFIXES = ("/v1/", "/metrics")
+
+
+class ApiKeyMiddleware:
+    """Require `Authorization: Bearer <key>` on /v1/* and /metrics (/health stays open)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _protected(scope["path"]) and not self._allowed(scope):
+            error = APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)")
+            await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        """Constant-time comparison of the bearer token with the configured key."""
+        value = _header(scope, b"authorization") or b""
+        scheme, _, token = value.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(token.strip(), self._key)
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over `max_bytes` with 413, before any parsing."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is None or declared > self.max_bytes:
+            error = _length_error(declared, self.max_bytes)
+            await error.response()(scope, receive, send)
+            return
+        try:
+            body = await _read_body(receive, self.max_bytes)
+        except _ClientGone:
+            return
+        if body is None:
+            await _length_error(self.max_bytes + 1, self.max_bytes).response()(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its body arrived: nothing to answer."""
+
+
+def _protected(path: str) -> bool:
+    return path.startswith(PROTECTED_PREFIXES)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The declared length: 0 when absent, None when it is not a non-negative integer."""
+    raw = _header(scope, b"content-length")
+    if raw is None:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def _length_error(declared: int | None, limit: int) -> APIError:
+    if declared is None:
+        return APIError(400, "invalid Content-Length header", code="invalid_body")
+    return APIError(413, f"request body over the limit of {limit} bytes")
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it passes `limit` bytes; _ClientGone on a disconnect."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that returns the buffered body once, then defers to the client's."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

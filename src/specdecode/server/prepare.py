@@ -1,0 +1,200 @@
+"""From a validated request to a Generation: model name, prompt, limits and sampling parameters.
+
+Every refusal is an APIError (4xx) naming the field. Model names resolve only against the model
+this server loaded (its name and the name /v1/models lists); nothing in a request names a file.
+
+Context: a request fits when prompt + max_tokens <= `ServedModel.window`, the smaller of the
+model's context and what one row of the shared KV cache holds after the draft room (k + 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from specdecode.drafters.registry import DrafterFactory
+from specdecode.engine import Generation
+from specdecode.errors import SpecDecodeError
+from specdecode.models.tokenizer import Tokenizer
+from specdecode.sampling import SamplingParams
+from specdecode.server.errors import APIError
+from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+# Below this temperature sampling is greedy (as in vLLM): dividing float32 logits by a smaller
+# one can overflow to inf and make the probabilities NaN.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The one model a server serves, with everything needed to start a request on it."""
+
+    name: str  # the id /v1/models lists
+    loaded_name: str  # the loaded checkpoint's own name (also accepted)
+    model: Any
+    tokenizer: Tokenizer
+    eos_ids: tuple[int, ...]
+    make_drafter: DrafterFactory | None
+    k: int  # draft length, or the cap under the controller; 0 without a drafter
+    window: int  # prompt + max_tokens limit (see the module docstring)
+    created: int  # unix time the server started
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.cfg.vocab_size)
+
+
+def check_model(served: ServedModel, name: str) -> None:
+    """404 unless `name` is this server's model (exact match, nothing else is looked up)."""
+    if name not in (served.name, served.loaded_name):
+        raise APIError(404, f"the model '{name[:100]}' does not exist; this server serves "
+                            f"'{served.name}'", "model", "model_not_found")
+
+
+def check_common(req: SamplingRequest) -> None:
+    """Refuse fields this server accepts by name but does not implement."""
+    if req.n not in (None, 1):
+        raise APIError(400, "n > 1 is not supported: send n separate requests", "n",
+                       "unsupported_value")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.echo:
+        raise APIError(400, "echo is not supported", "echo", "unsupported_value")
+    if req.logprobs is not None:
+        raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_value")
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported", "suffix", "unsupported_value")
+    if req.best_of not in (None, 1):
+        raise APIError(400, "best_of > 1 is not supported", "best_of", "unsupported_value")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if req.logprobs or req.top_logprobs is not None:
+        raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_value")
+    if req.tools:
+        raise APIError(400, "tools are not supported", "tools", "unsupported_value")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise APIError(400, f"response_format type '{kind}' is not supported (text only)",
+                       "response_format", "unsupported_value")
+
+
+def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
+    """Token ids of the one prompt of a completion request (text or ids, alone or in a list)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise APIError(400, "one prompt per request: batches of prompts are not supported",
+                           "prompt", "unsupported_value")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return served.tokenizer.encode(prompt)
+    ids = [int(t) for t in prompt if isinstance(t, int)]
+    if any(t >= served.vocab_size for t in ids):
+        raise APIError(400, f"prompt token ids must be below the vocabulary size "
+                            f"{served.vocab_size}", "prompt", "invalid_value")
+    return ids
+
+
+def chat_prompt(req: ChatCompletionRequest, served: ServedModel) -> list[int]:
+    """Token ids of the messages rendered with the model's chat template."""
+    tok = served.tokenizer
+    if tok.chat_template is None:
+        raise APIError(400, "this model has no chat template: use /v1/completions",
+                       "messages", "no_chat_template")
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": _text(m.content)} for m in req.messages]
+    try:
+        return tok.encode(tok.apply_chat_template(messages))
+    except (SpecDecodeError, TemplateError, TypeError, ValueError) as exc:
+        raise APIError(400, f"the chat template refused these messages: {exc}",
+                       "messages", "invalid_value") from exc
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def max_tokens(requested: int | None, prompt_len: int, window: int, default: int | None,
+               prompt_param: str = "prompt") -> int:
+    """The request's max_tokens: checked against the window, or the default that fits.
+
+    `default` None means all the room the prompt leaves (chat); `prompt_param` names the field
+    that held the prompt, for the error when the prompt alone is too long or empty.
+    """
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty", prompt_param, "invalid_value")
+    room = window - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt is {prompt_len} tokens; this server's context is "
+                            f"{window} tokens (prompt + max_tokens)", prompt_param,
+                       "context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(400, f"max_tokens {requested} + prompt {prompt_len} tokens exceeds this "
+                            f"server's context of {window} tokens", "max_tokens",
+                       "context_length_exceeded")
+    return requested
+
+
+def sampling_params(req: SamplingRequest, limit: int, vocab_size: int) -> SamplingParams:
+    """SamplingParams of a request (OpenAI defaults: temperature 1, top_p 1; a temperature
+    below MIN_TEMPERATURE is greedy)."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    temperature = _or(req.temperature, 1.0)
+    params = SamplingParams(
+        temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
+        top_k=max(0, _or(req.top_k, 0)),
+        top_p=_or(req.top_p, 1.0), min_p=_or(req.min_p, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        logit_bias=_logit_bias(req.logit_bias, vocab_size), seed=req.seed, max_tokens=limit,
+        stop=stop,
+    )
+    try:
+        params.validate(vocab_size)
+    except SpecDecodeError as exc:
+        raise APIError(400, str(exc), None, "invalid_value") from exc
+    return params
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} as sorted (id, bias) pairs; 400 for a key that is not a valid id."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias key {key[:20]!r} is not a token id in "
+                                f"0..{vocab_size - 1}", "logit_bias", "invalid_value")
+        if not math.isfinite(value):
+            raise APIError(400, "logit_bias values must be finite", "logit_bias",
+                           "invalid_value")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
+def new_generation(served: ServedModel, prompt_ids: list[int],
+                   params: SamplingParams) -> Generation:
+    """A Generation for the engine, with a fresh per-request drafter when speculating."""
+    drafter = served.make_drafter() if served.make_drafter is not None else None
+    try:
+        return Generation(served.model, served.tokenizer, prompt_ids, params, drafter,
+                          served.k if drafter is not None else 0, served.eos_ids)
+    except SpecDecodeError as exc:
+        raise APIError(400, str(exc), None, "invalid_value") from exc

@@ -1,0 +1,116 @@
+"""What a running server holds: the served model, the engine thread, metrics and limits.
+
+`build_state` turns a loaded model and the serve options into that state: the drafter factory,
+the batch engine over one shared KV cache (with the controller and its measured costs under
+`--k auto`), and the engine thread (started by the app's lifespan).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specdecode.control import Controller, CostModel, calibrated_costs
+from specdecode.drafters.registry import drafter_factory
+from specdecode.engine import BatchEngine
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import LoadedModel
+from specdecode.server.errors import APIError
+from specdecode.server.metrics import ServerMetrics
+from specdecode.server.prepare import ServedModel
+from specdecode.server.worker import EngineWorker
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything `specdecode serve` takes besides the model and the network address."""
+
+    drafter: str = "none"
+    draft_model: str | None = None
+    k: int = 8  # the draft length; under `auto`, the largest the controller may choose
+    auto: bool = True
+    max_batch: int = 8
+    max_seq_len: int = 2048
+    max_queue: int = 64
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def check(self) -> None:
+        """Raise SpecDecodeError naming the first out-of-range option."""
+        if not 1 <= self.max_batch <= 256:
+            raise SpecDecodeError(f"--max-batch must be in 1..256, got {self.max_batch}")
+        if self.max_seq_len < 16:
+            raise SpecDecodeError(f"--max-seq-len must be >= 16, got {self.max_seq_len}")
+        if self.max_queue < 0:
+            raise SpecDecodeError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise SpecDecodeError("--api-key must not be empty")
+
+
+@dataclass
+class ServerState:
+    served: ServedModel
+    worker: EngineWorker
+    metrics: ServerMetrics
+    max_inflight: int  # requests decoding + queued; one more is refused with 429
+    max_body_bytes: int
+    api_key: str | None
+    inflight: int = field(default=0)
+
+    def admit(self) -> None:
+        """Count one more request in flight, or refuse it with 429 when the server is full.
+
+        Called on the event loop only, so the count needs no lock.
+        """
+        if self.inflight >= self.max_inflight:
+            raise APIError(429, f"the server is full ({self.inflight} requests running or "
+                                "queued); retry later")
+        self.inflight += 1
+
+    def release(self) -> None:
+        self.inflight -= 1
+
+
+def build_state(loaded: LoadedModel, options: ServeOptions,
+                costs: CostModel | None = None) -> ServerState:
+    """The state of a server for `loaded`: drafter, engine (+ controller), engine thread.
+
+    Under `auto`, the controller starts from `costs`, or from forward costs measured now.
+    """
+    options.check()
+    model, tok = loaded.model, loaded.tokenizer
+    factory = drafter_factory(options.drafter, model, options.draft_model,
+                              capacity=options.max_seq_len, tokenizer=tok)
+    k = options.k if factory is not None else 0
+    window = min(int(model.cfg.max_position), options.max_seq_len - k - 1)
+    if window < 2:
+        raise SpecDecodeError(f"--max-seq-len {options.max_seq_len} leaves no room for a "
+                              f"request with k={k}")
+    controller = None
+    if factory is not None and options.auto:
+        costs = costs or calibrated_costs(model, _calibration_batches(options.max_batch), k)
+        controller = Controller(kmax=k, costs=costs)
+    engine = BatchEngine(model, options.max_batch, options.max_seq_len, controller=controller)
+    name = options.served_model_name or loaded.name
+    served = ServedModel(
+        name=name, loaded_name=loaded.name, model=model, tokenizer=tok,
+        eos_ids=tuple(sorted(set(tok.eos_ids) | set(model.cfg.eos_token_ids))),
+        make_drafter=factory, k=k, window=window, created=int(time.time()),
+    )
+    metrics = ServerMetrics(name)
+    return ServerState(served, EngineWorker(engine, metrics), metrics,
+                       options.max_batch + options.max_queue, options.max_body_bytes,
+                       options.api_key)
+
+
+def _calibration_batches(max_batch: int) -> list[int]:
+    """Batch sizes whose forward cost is measured before serving: powers of two, and the max."""
+    sizes = {max_batch}
+    size = 1
+    while size < max_batch:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
