@@ -189,17 +189,23 @@ def test_concurrent_streams_complete_and_equal_sequential(
           f"(one at a time {sequential_s:.2f} s)")
 
 
+def slow_down(engine: Any, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.02) -> None:
+    """Make every engine step last `seconds` more: 200 tokens then take seconds, so a client
+    that leaves early leaves long before its generation would have ended."""
+    step = engine.step
+
+    def slow_step() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
 def test_disconnect_mid_stream_frees_the_row(tiny: LoadedModel,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     with serving(tiny, max_batch=2) as (srv, state):
         engine = state.worker.engine
-        step = engine.step
-
-        def slow_step() -> Any:  # ~200 tokens would take seconds: the client leaves long before
-            time.sleep(0.02)
-            return step()
-
-        monkeypatch.setattr(engine, "step", slow_step)
+        slow_down(engine, monkeypatch)
         with httpx.Client(timeout=30) as http, http.stream(
                 "POST", f"{srv.url}/v1/completions",
                 json={"model": "tiny", "prompt": "t3 t4", "max_tokens": 200, "temperature": 0,
@@ -215,6 +221,21 @@ def test_disconnect_mid_stream_frees_the_row(tiny: LoadedModel,
         assert metric(srv, "request_success_total", finished_reason="abort") == 1
         assert metric(srv, "generation_tokens_total") < 200
         assert wait_for(lambda: state.inflight == 0, 3)
+
+
+def test_client_gone_before_a_whole_reply_cancels(tiny: LoadedModel,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with serving(tiny, max_batch=2) as (srv, state):
+        engine = state.worker.engine
+        slow_down(engine, monkeypatch)
+        body = {"model": "tiny", "prompt": "t3 t4", "max_tokens": 200, "temperature": 0,
+                "logit_bias": NO_EOS}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(f"{srv.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        assert wait_for(lambda: metric(srv, "request_success_total",
+                                       finished_reason="abort") == 1, 3)
+        assert wait_for(lambda: not engine.busy and state.inflight == 0, 3)
+        assert engine.cache.lengths == [0, 0]
 
 
 def test_queue_full_is_429_and_the_rest_complete(tiny: LoadedModel,

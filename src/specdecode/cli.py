@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.commands import register as register_bench
 
     register_bench(sub)
+    from specdecode.server.cli import register as register_serve
+
+    register_serve(sub)
     return parser
 
 

@@ -309,7 +309,7 @@ class BatchEngine:
         budget = self.prefill_chunk
         while self.joining:
             gen = self.joining[0]
-            if not gen.prefilled:
+            if gen.cache is None or not gen.prefilled:  # a 1-token prompt still needs a cache
                 if budget <= 0:
                     break
                 before = gen._prefilled

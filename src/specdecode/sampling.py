@@ -14,6 +14,8 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,15 +41,19 @@ class SamplingParams:
         """Raise SpecDecodeError naming the first invalid field and its value."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SpecDecodeError(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / t would overflow float32
+            raise SpecDecodeError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}"
+            )
         if self.top_k < 0:
             raise SpecDecodeError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p < 1.0):
             raise SpecDecodeError(f"min_p must be in [0, 1), got {self.min_p}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not math.isfinite(self.repetition_penalty) or not 0.01 <= self.repetition_penalty <= 10:
             raise SpecDecodeError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+                f"repetition_penalty must be in [0.01, 10], got {self.repetition_penalty}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -10,6 +10,7 @@ refusal before submission is a 4xx with an OpenAI error body; once submitted, th
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -93,9 +94,13 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
     prompt_ids, params = await run_in_threadpool(_prompt_and_params, served, req)
     gen = prepare.new_generation(served, prompt_ids, params)
     state.admit()
-    sub = Submission(state.worker, gen, state.metrics, state.release)
+    try:
+        sub = Submission(state.worker, gen, state.metrics, state.release)
+    except BaseException:
+        state.release()
+        raise
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                  served.created, served.name)
+                  int(time.time()), served.name)
     if req.stream:
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
         return EventStream(stream_events(sub, shape, with_usage), sub.close)

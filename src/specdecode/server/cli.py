@@ -3,20 +3,26 @@
 It binds 127.0.0.1 unless told otherwise. With --api-key (or SPECDECODE_API_KEY) every /v1/*
 and /metrics request needs `Authorization: Bearer KEY`. Every check that can fail on the
 user's input runs before the model loads; a taken port is one error line, not a traceback.
+The server's packages (the `server` extra) are imported only when `serve` runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdecode.cli import _add_drafter_args, _add_model_args, _check_k
-from specdecode.server.state import ServeOptions
+from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:
+    from specdecode.server.state import ServeOptions
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
+SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def register(subparsers: Any) -> None:
@@ -43,6 +49,8 @@ def register(subparsers: Any) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """ServeOptions from parsed arguments (after _check_k), checked."""
+    from specdecode.server.state import ServeOptions
+
     options = ServeOptions(
         drafter=args.drafter, draft_model=args.draft_model, k=args.k, auto=args.auto,
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_queue=args.max_queue,
@@ -53,7 +61,16 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return options
 
 
+def check_installed() -> None:
+    """Raise a one-line error naming the install command when the server extra is missing."""
+    missing = [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SpecDecodeError(f"specdecode serve needs {', '.join(missing)}: "
+                              "pip install 'specdecode[server]'")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_installed()
     from specdecode.models.loading import load_model
     from specdecode.server.app import create_app
     from specdecode.server.background import bind_socket, uvicorn_server

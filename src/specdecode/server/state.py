@@ -107,10 +107,6 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
 
 
 def _calibration_batches(max_batch: int) -> list[int]:
-    """Batch sizes whose forward cost is measured before serving: powers of two, and the max."""
-    sizes = {max_batch}
-    size = 1
-    while size < max_batch:
-        sizes.add(size)
-        size *= 2
-    return sorted(sizes)
+    """Batch sizes whose forward cost is measured before serving: 1 and the largest (the cost
+    model scales between them, and every served step refines the table)."""
+    return sorted({1, max_batch})

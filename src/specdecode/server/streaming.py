@@ -45,7 +45,8 @@ class Submission:
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.started = time.perf_counter()
-        self._last: float | None = None
+        self._last: float | None = None  # when the last token-carrying output arrived
+        self._checked = self.started  # when the client was last checked for a disconnect
         self._on_close: Callable[[], None] | None = on_close
         loop = asyncio.get_running_loop()
 
@@ -71,13 +72,16 @@ class Submission:
             yield event
 
     async def _next(self, disconnected: Callable[[], Awaitable[bool]] | None) -> Event:
-        """The next event; meanwhile, poll for a gone client and a dead engine thread."""
+        """The next event; every POLL_S, check for a gone client and a dead engine thread."""
         while True:
+            now = time.perf_counter()
+            if disconnected is not None and now - self._checked >= POLL_S:
+                self._checked = now
+                if await disconnected():
+                    raise ClientGone
             try:
                 return await asyncio.wait_for(self.events.get(), POLL_S)
             except TimeoutError:
-                if disconnected is not None and await disconnected():
-                    raise ClientGone from None
                 if not self.worker.alive and self.events.empty():
                     return EngineFailure("the engine thread stopped", 503)
 
