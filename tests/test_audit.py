@@ -65,17 +65,6 @@ def test_greedy_audit_counts_mismatches(pair: Any) -> None:
     assert ok.passed and ok.mismatches == 0
 
 
-def test_cli_audit_on_smollm_passes_then_catches_q_from_unquantized_weights() -> None:
-    common = ["audit", "--drafter", "int8", "--k", "2", "--temperature", "1.0", "--samples",
-              "100", "--prompt", "Write a haiku about the sea."]
-    good = run_cli(*common, timeout=1200)
-    assert good.returncode == 0, good.stdout + good.stderr
-    assert "audit (sampled): PASS" in good.stdout
-    bad = run_cli(*common, "--inject-fault", "q-from-other-model", timeout=1200)
-    assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert "audit (sampled): FAIL" in bad.stdout
-
-
 def test_cli_audit_rejects_bad_options(tmp_path: Path) -> None:
     proc = run_cli("audit", "--drafter", "int8", "--samples", "3", "--temperature", "1")
     assert proc.returncode == 2 and "--samples" in proc.stderr and "Traceback" not in proc.stderr

@@ -152,3 +152,21 @@ def test_adapter_backend_runs_fp32_only(tmp_path: Path) -> None:
     folder = make_checkpoint(tmp_path / "m")
     with pytest.raises(SpecDecodeError, match="not available on the transformers backend"):
         apply_precision(load_transformers(folder), "bf16")
+
+
+def test_cost_curves_run_at_every_precision(
+    tiny: torch.nn.Module, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specdecode costs` machinery (timings are not checked: a benchmark, not a test)."""
+    from specdecode.costs import forward_costs, hardware, print_costs
+
+    curves = [forward_costs(apply_precision(tiny, p), 2, 16, 3, 3) for p in precision.PRECISIONS]
+    for rows in curves:
+        assert [r["k"] for r in rows] == [1, 2, 3] and rows[0]["v"] == 1.0
+        assert all(r["min_s"] <= r["median_s"] <= r["max_s"] and r["first_s"] > 0 for r in rows)
+    peer = {"native_s_per_token": 0.04, "transformers_s_per_token": 0.05,
+            "ratio_native_over_transformers": 0.8, "new_tokens": 32}
+    print_costs({"model": {"name": "tiny", "backend": "native", "precision": "fp32"},
+                 "hardware": hardware(), "context": 16, "curves": curves[:1], "peer": peer})
+    out = capsys.readouterr().out
+    assert "v(k)" in out and "ratio native/transformers 0.80" in out

@@ -190,6 +190,14 @@ def print_costs(result: dict[str, Any]) -> None:
     print(f"# forward cost vs positions scored: {m['name']} ({m['backend']}, {m['precision']}), "
           f"context {result['context']}, {hw['cpu']}, {hw['torch_threads']} threads{load}; "
           f"medians of {result.get('repeats', '?')} round-robin repeats after warm-up")
+    others = max(hw.get("load_avg_1m") or 0,  # the load of others, roughly: ours ~ threads
+                 (result.get("load_avg_1m_end") or 0) - hw["torch_threads"])
+    if hw.get("cores") and others >= 0.5 * hw["cores"]:
+        print(f"# warning: load average ~{others:.1f} besides this run on {hw['cores']} cores: "
+              "other processes "
+              "compete for the cores, and OpenMP threads that spin-wait for a descheduled peer "
+              "can make multi-threaded timings several times slower (compare with "
+              "OMP_NUM_THREADS=1, or OMP_WAIT_POLICY=PASSIVE)")
     batches = [c[0]["batch"] for c in result["curves"]]
     print("  k " + "".join(f" | b={b}: ms (min-max) first  v(k) (IQR)    " for b in batches))
     for i in range(len(result["curves"][0])):
