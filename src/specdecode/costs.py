@@ -189,7 +189,8 @@ def print_costs(result: dict[str, Any]) -> None:
         f", load average {hw['load_avg_1m']:.1f} -> {result.get('load_avg_1m_end') or 0:.1f}")
     print(f"# forward cost vs positions scored: {m['name']} ({m['backend']}, {m['precision']}), "
           f"context {result['context']}, {hw['cpu']}, {hw['torch_threads']} threads{load}; "
-          f"medians of {result.get('repeats', '?')} round-robin repeats after warm-up")
+          f"medians of {result.get('repeats', '?')} round-robin repeats after warm-up; first = "
+          "the cold first call of that shape; IQR = quartiles of the per-repeat ratio")
     others = max(hw.get("load_avg_1m") or 0,  # the load of others, roughly: ours ~ threads
                  (result.get("load_avg_1m_end") or 0) - hw["torch_threads"])
     if hw.get("cores") and others >= 0.5 * hw["cores"]:
@@ -199,7 +200,7 @@ def print_costs(result: dict[str, Any]) -> None:
               "can make multi-threaded timings several times slower (compare with "
               "OMP_NUM_THREADS=1, or OMP_WAIT_POLICY=PASSIVE)")
     batches = [c[0]["batch"] for c in result["curves"]]
-    print("  k " + "".join(f" | b={b}: ms (min-max) first  v(k) (IQR)    " for b in batches))
+    print("  k " + "".join(f" | b={b}: ms (min-max) first  v(k) (IQR)     " for b in batches))
     for i in range(len(result["curves"][0])):
         cells = []
         for curve in result["curves"]:
