@@ -21,7 +21,8 @@ def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
     if tv != dv:
         raise SpecDecodeError(
             f"draft model {draft_name} has a vocabulary of {dv} tokens but the target has {tv}: "
-            "a draft model must share the target's tokenizer"
+            "a draft model must share the target's tokenizer (for a draft with another "
+            "tokenizer, use --drafter xtok, which drafts through text)"
         )
 
 

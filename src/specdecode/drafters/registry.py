@@ -13,7 +13,7 @@ from typing import Any
 from specdecode.drafters.base import Drafter
 from specdecode.errors import SpecDecodeError
 
-DRAFTERS = ("none", "draft-model", "int8", "ngram", "layerskip")
+DRAFTERS = ("none", "draft-model", "int8", "ngram", "layerskip", "xtok")
 
 DrafterFactory = Callable[[], Drafter]
 
@@ -73,4 +73,12 @@ def drafter_factory(
         draft = load_model(draft_model).model
         check_vocab(target, draft, draft_model)
         return lambda: DraftModelDrafter(draft, "draft-model", capacity)
+    if name == "xtok":
+        if not draft_model:
+            raise SpecDecodeError(
+                "--drafter xtok needs --draft-model PATH (a draft with its own tokenizer)"
+            )
+        from specdecode.drafters.xtok import xtok_factory
+
+        return xtok_factory(tokenizer, draft_model, capacity)
     raise SpecDecodeError(f"unknown drafter '{name}' (known: {', '.join(DRAFTERS)})")
