@@ -48,6 +48,19 @@ drafter ("plain" for plain decoding) with optional key=value pairs after ":". Ke
 integer, or "auto": the controller, drafting at most kmax tokens, default 8), temperature
 (overrides the prompts'), name; other keys are drafter options (model=PATH for draft-model,
 ngram_max=N, layers=0+1+2). A plain baseline is added where one is missing.
+
+--endpoint [NAME=]URL (repeatable) measures OpenAI-compatible servers instead (this package's
+`specdecode serve`, vLLM, SGLang, llama.cpp...) over streaming HTTP: TTFT and inter-token latency
+are timed on this side per streamed event, acceptance is read from each server's /metrics
+(this server's or vLLM's spec_decode counters; unknown, not zero, where absent). Speculation is
+the server's own setting, so each endpoint is one configuration named NAME (default: host:port)
+and --configs does not apply: the FIRST endpoint is the baseline, the others are measured
+against it as speculative configurations, interleaved over the same prompts (to compare a
+speculative server with a plain one, list the plain one first). --batch-sizes are then the
+numbers of concurrent requests. --model is the model id to request (default: the first of GET
+/v1/models); --api-key (or $SPECDECODE_API_KEY) is sent as a Bearer token; --precision,
+--backend, --threads and --audit-samples do not apply; --no-chat-template sends raw text to
+/v1/completions instead of messages to /v1/chat/completions.
 """
 
 
@@ -222,6 +235,17 @@ def default_out_dir(prefix: str = "") -> Path:
 # --------------------------------------------------------------------------------- running
 
 
+def endpoint_configs_from(args: argparse.Namespace) -> list[ConfigSpec]:
+    """The configurations of `--endpoint` values (refusing --configs beside them)."""
+    from specdecode.bench.http_runner import endpoint_configs, parse_endpoints
+
+    if args.configs:
+        raise SpecDecodeError("--configs selects in-process drafters; with --endpoint each "
+                              "server's own setting is measured: list several --endpoint "
+                              "NAME=URL to compare servers (the first is the baseline)")
+    return endpoint_configs(parse_endpoints(args.endpoint))
+
+
 @dataclass
 class BenchPlan:
     """Everything checked before the model is loaded."""
@@ -252,7 +276,10 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     check_numbers(args)
     if args.resume and args.out is None:
         raise SpecDecodeError("--resume needs --out DIR (the folder of the run to continue)")
-    configs = parse_configs(args.configs or default_configs_text(), args.precision)
+    if getattr(args, "endpoint", None):
+        configs = endpoint_configs_from(args)
+    else:
+        configs = parse_configs(args.configs or default_configs_text(), args.precision)
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     grid = config_grid(configs, batch_sizes)
     validate_configs(grid)
@@ -285,6 +312,55 @@ def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: i
     return runner
 
 
+def make_http_runner(args: argparse.Namespace, plan: BenchPlan,
+                     default_max_tokens: int) -> Any:
+    """The HTTP runner over the plan's endpoints, every endpoint probed (SpecDecodeError naming
+    the URL when one cannot be used)."""
+    import os
+
+    from specdecode.bench.http_runner import API_KEY_ENV, HttpRunner, parse_endpoints
+
+    if not args.request_timeout > 0:
+        raise SpecDecodeError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    runner = HttpRunner(parse_endpoints(args.endpoint), model=args.model,
+                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        seed=plan.seed, default_max_tokens=default_max_tokens,
+                        max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template,
+                        timeout=args.request_timeout)
+    try:
+        runner.check(plan.configs)
+    except BaseException:
+        runner.close()
+        raise
+    return runner
+
+
+def endpoint_lines(outcome: Any) -> list[str]:
+    """Per endpoint and concurrency: acceptance read from /metrics (or unknown), and failures."""
+    from specdecode.bench.stats import acceptance
+
+    results = outcome.analysis.results
+    lines = ["acceptance read from the endpoints' /metrics (per batch; other clients' traffic "
+             "would pollute it):"]
+    for s in outcome.analysis.configs:
+        mine = [x for x in results.samples if (x.config, x.batch_size) == s.key]
+        a = acceptance(mine)
+        if a.steps == 0:
+            text = "unknown (no speculation counters, or none attributable)"
+        elif a.drafted == 0:
+            text = "no draft tokens (speculation off)"
+        else:
+            text = (f"accepted/drafted {a.accepted}/{a.drafted} = {a.rate:.2f}, mean acceptance "
+                    f"length {a.mean_acceptance_length:.2f}, alpha (i.i.d. estimate) "
+                    f"{a.alpha:.2f}")
+        lines.append(f"  {s.spec.name:<18} concurrency {s.spec.batch_size}: {text}")
+    if results.failures:
+        first = results.failures[0]
+        lines.append(f"{len(results.failures)} request(s) failed (kept in results.jsonl, left "
+                     f"out of every statistic); first: {first.error}")
+    return lines
+
+
 def execute(runner: Any, plan: BenchPlan, out: TextIO) -> Any:
     """run_bench with the plan's options; returns its BenchOutcome."""
     from specdecode.bench.harness import BenchOptions, run_bench
@@ -302,8 +378,16 @@ def cmd_bench(args: argparse.Namespace, out: TextIO | None = None,
     out, err = out or sys.stdout, err or sys.stderr
     start = time.perf_counter()
     plan = plan_bench(args, err)
-    runner = make_runner(args, plan, DEFAULT_RUNNER_MAX_TOKENS)
-    outcome = execute(runner, plan, out)
+    if args.endpoint:
+        runner = make_http_runner(args, plan, DEFAULT_RUNNER_MAX_TOKENS)
+        try:
+            outcome = execute(runner, plan, out)
+        finally:
+            runner.close()
+        print("\n".join(endpoint_lines(outcome)), file=out)
+    else:
+        runner = make_runner(args, plan, DEFAULT_RUNNER_MAX_TOKENS)
+        outcome = execute(runner, plan, out)
     print(f"{outcome.measured} requests measured ({outcome.resumed} resumed) in "
           f"{time.perf_counter() - start:.0f} s; results in {outcome.results_path.parent}",
           file=out)
@@ -533,6 +617,13 @@ def add_bench_parser(sub: Any) -> None:
                         f"speculative config at temperature > 0 (default "
                         f"{DEFAULT_AUDIT_SAMPLES}; 0: none)")
     b.add_argument("--resume", action="store_true", help="continue the run in --out")
+    b.add_argument("--endpoint", action="append", default=None, metavar="[NAME=]URL",
+                   help="measure this OpenAI-compatible server over HTTP instead of the "
+                        "in-process engine (repeatable: the first is the baseline; see above)")
+    b.add_argument("--api-key", default=None,
+                   help="--endpoint: Bearer token (default: $SPECDECODE_API_KEY if set)")
+    b.add_argument("--request-timeout", type=float, default=300.0,
+                   help="--endpoint: seconds a request may wait for its next byte (default 300)")
     _add_run_args(b, "output folder (default: runs/<UTC timestamp>)")
     b.set_defaults(func=cmd_bench)
 

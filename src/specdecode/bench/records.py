@@ -144,6 +144,13 @@ class RequestSample:
     prefill_s: float = 0.0
     alpha_micro: int = 0
     alpha_positions: int = 0
+    error: str = ""  # why the request failed ("" when it succeeded; see `failed`)
+
+    @property
+    def failed(self) -> bool:
+        """True for a request that failed (HTTP error, broken stream, ...): it is kept in the
+        results file, with what it measured before failing, but left out of every statistic."""
+        return bool(self.error)
 
     @property
     def unit(self) -> tuple[str, str, int, int]:

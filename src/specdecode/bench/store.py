@@ -5,7 +5,10 @@
 fsync'd before the next measurement starts: Ctrl-C or a crash loses nothing already measured, at
 worst a last line cut short, which reading ignores. `--resume` reopens such a file, refuses it if
 its header describes a different model, workload, machine or set of configurations, and reports
-which (config, prompt, turn, batch_size) units are done so the harness skips them.
+which (config, prompt, turn, batch_size) units are done so the harness skips them. A failed
+request (a "sample" whose "error" is set, e.g. an HTTP 500 from an endpoint) is kept, with what it
+measured before failing, in `Results.failures` and report.json's "failures": it is in no
+statistic, and --resume measures its unit again.
 
 `report.json` is assembled from the JSONL (every raw sample kept) and written atomically
 (temporary name, fsync, rename).
@@ -46,7 +49,8 @@ class Results:
     """Everything a results file holds, in file order."""
 
     header: RunHeader
-    samples: list[RequestSample] = field(default_factory=list)
+    samples: list[RequestSample] = field(default_factory=list)  # requests that succeeded
+    failures: list[RequestSample] = field(default_factory=list)  # requests that failed
     cost_curves: list[CostCurve] = field(default_factory=list)
     memory: list[MemoryRecord] = field(default_factory=list)
     audits: list[AuditVerdict] = field(default_factory=list)
@@ -55,7 +59,7 @@ class Results:
     def add(self, record: Record) -> None:
         """File a record under its kind."""
         if isinstance(record, RequestSample):
-            self.samples.append(record)
+            (self.failures if record.failed else self.samples).append(record)
         elif isinstance(record, CostCurve):
             self.cost_curves.append(record)
         elif isinstance(record, MemoryRecord):
@@ -64,7 +68,8 @@ class Results:
             self.audits.append(record)
 
     def done_units(self) -> set[UnitKey]:
-        """The (config, prompt_id, turn, batch_size) units already measured."""
+        """The (config, prompt_id, turn, batch_size) units already measured (a failed request
+        is not: --resume runs it again)."""
         return {s.unit for s in self.samples}
 
 
@@ -259,6 +264,7 @@ def build_report(results: Results, derived: dict[str, Any] | None = None) -> dic
         "schema_version": SCHEMA_VERSION,
         "header": results.header.to_dict(),
         "samples": [s.to_dict() for s in results.samples],
+        "failures": [s.to_dict() for s in results.failures],
         "cost_curves": [c.to_dict() for c in results.cost_curves],
         "memory": [m.to_dict() for m in results.memory],
         "audits": [a.to_dict() for a in results.audits],
@@ -277,7 +283,7 @@ def results_from_report(report: object) -> Results:
     if not isinstance(report, dict) or "header" not in report:
         raise SpecDecodeError("not a specdecode report: no header")
     results = Results(header=RunHeader.from_dict(report["header"]))
-    for kind, key in (("sample", "samples"), ("cost_curve", "cost_curves"),
+    for kind, key in (("sample", "samples"), ("sample", "failures"), ("cost_curve", "cost_curves"),
                       ("memory", "memory"), ("audit", "audits")):
         for item in report.get(key, []):
             results.add(record_from_dict(kind, item))

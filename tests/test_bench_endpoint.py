@@ -1,0 +1,436 @@
+"""`specdecode bench --endpoint`: the HTTP runner against this package's own server (started on a
+free loopback port with a tiny random checkpoint) and against small fake servers (Starlette apps
+on loopback) that stream on a known schedule, export vLLM's metric names, export none, fail with
+a 500 or send a broken stream. Every address is loopback; every request loop is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specdecode.bench.commands import main_for_tests
+from specdecode.bench.http_metrics import (
+    SpecCounters,
+    batch_counters,
+    drafted_positions,
+    read_counters,
+)
+from specdecode.bench.http_runner import (
+    HttpRunner,
+    endpoint_configs,
+    parse_endpoints,
+    tokens_per_event,
+)
+from specdecode.bench.records import ConfigSpec
+from specdecode.bench.store import read_results
+from specdecode.bench.workloads import Prompt, load_workload
+from specdecode.control import CostModel
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import LoadedModel, load_model
+from specdecode.server.app import create_app
+from specdecode.server.background import BackgroundServer
+from specdecode.server.state import ServeOptions, ServerState, build_state
+from tests.conftest import make_checkpoint
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+PROMPTS = [
+    '{"prompt": "t5 t6 t7 t5 t6", "category": "code", "id": "a"}',
+    '{"prompt": "t9 t10 t11", "category": "qa", "id": "b"}',
+    '{"prompt": ["t20 t21", "t22 t23"], "category": "chat", "id": "c"}',
+    '{"prompt": "t30 t31 t30 t31 t30", "category": "code", "id": "d"}',
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices, a shared machine: one thread
+    yield
+    torch.set_num_threads(before)
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main_for_tests(argv, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def workload_file(tmp_path: Path, lines: list[str] = PROMPTS) -> Path:
+    path = tmp_path / "w.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------- this package's server
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    folder = make_checkpoint(tmp_path_factory.mktemp("endpoint") / "tiny")
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    return load_model(str(folder))
+
+
+@dataclass
+class EngineTally:
+    """What the server's engine fed to its metrics (the engine's own per-request counters)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    per_pos: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.drafted, self.accepted, self.per_pos = 0, 0, []
+
+    def add(self, drafted: int, accepted: int, per_pos: list[int]) -> None:
+        self.drafted += max(drafted, 0)
+        self.accepted += accepted if drafted > 0 else 0
+        if drafted > 0:
+            self.per_pos += [0] * (len(per_pos) - len(self.per_pos))
+            for i, n in enumerate(per_pos):
+                self.per_pos[i] += n
+
+
+@contextmanager
+def serving(loaded: LoadedModel, tally: EngineTally | None = None,
+            **options: Any) -> Iterator[tuple[BackgroundServer, ServerState]]:
+    settings = {"drafter": "int8", "k": 4, "auto": True, "max_batch": 4, "max_seq_len": 256,
+                "max_queue": 16, **options}
+    state = build_state(loaded, ServeOptions(**settings), costs=CostModel())
+    if tally is not None:
+        observe = state.metrics.observe_step
+
+        def spy(drafted: int, accepted: int, per_pos: list[int]) -> None:
+            tally.add(drafted, accepted, per_pos)
+            observe(drafted, accepted, per_pos)
+
+        state.metrics.observe_step = spy  # type: ignore[method-assign]
+    with BackgroundServer(create_app(state)) as srv:
+        yield srv, state
+
+
+def test_bench_endpoint_end_to_end(tiny: LoadedModel, tmp_path: Path) -> None:
+    """A plain and a speculative server side by side at concurrency 1 and 2: every unit
+    measured, real TTFT / ITL, acceptance from /metrics, the reports written."""
+    with serving(tiny, drafter="none") as (plain, _), serving(tiny) as (spec, _):
+        out = tmp_path / "run"
+        code, stdout, err = run_cli([
+            "bench", "--endpoint", f"plain={plain.url}", "--endpoint", f"spec={spec.url}/v1",
+            "--workload", str(workload_file(tmp_path)), "--batch-sizes", "1,2",
+            "--max-tokens", "10", "--out", str(out), "--quiet", "--resamples", "200"])
+    assert code == 0, err
+    results = read_results(out / "results.jsonl")
+    assert results.header.runner["runner"] == "http"
+    assert results.header.model.name == "tiny"
+    assert not results.failures
+    units = {s.unit for s in results.samples}
+    assert len(units) == len(results.samples) == 2 * 2 * 5  # 2 endpoints, 2 sizes, 5 turns
+    for s in results.samples:
+        assert s.output_tokens > 0 and s.ttft_s > 0 and s.latency_s >= s.ttft_s
+        assert len(s.itl_s) == s.output_tokens - 1 and not s.problems()
+        assert abs(s.ttft_s + sum(s.itl_s) - s.latency_s) < 0.25
+        assert s.prompt_tokens > 0
+    spec_samples = [s for s in results.samples if s.config == "spec"]
+    assert sum(s.drafted for s in spec_samples) > 0
+    assert all(s.drafted == 0 for s in results.samples if s.config == "plain")
+    assert any(x > 0 for s in spec_samples for x in s.itl_s)
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert {c["spec"]["name"] for c in report["analysis"]["configs"]} == {"plain", "spec"}
+    assert (out / "report.html").read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert "speedup" in stdout and "spec" in stdout and "accepted/drafted" in stdout
+    assert "concurrency 2" in stdout
+
+
+def test_acceptance_matches_the_engine(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Summed over the run, the samples' drafted, accepted and per-position counts are exactly
+    what the server's engine counted (at concurrency 1 and 2)."""
+    tally = EngineTally()
+    prompts = load_workload(workload_file(tmp_path)).prompts
+    with serving(tiny, tally) as (srv, _):
+        configs = [ConfigSpec("spec", batch_size=b, options={"url": srv.url}) for b in (1, 2)]
+        with HttpRunner(parse_endpoints([f"spec={srv.url}"]), default_max_tokens=12) as runner:
+            runner.check(configs)
+            tally.reset()  # the probe's request does not count
+            samples = [s for b in (1, 2) for i in range(0, len(prompts), b)
+                       for s in runner.run(prompts[i:i + b], configs[b - 1])]
+    assert tally.drafted > 0 and not any(s.failed for s in samples)
+    assert sum(s.drafted for s in samples) == tally.drafted
+    assert sum(s.accepted for s in samples) == tally.accepted
+    width = max(len(s.accepted_per_pos) for s in samples)
+    per_pos = [sum(s.accepted_per_pos[i] for s in samples if i < len(s.accepted_per_pos))
+               for i in range(width)]
+    assert per_pos == tally.per_pos[:width] and not any(tally.per_pos[width:])
+    assert all(not s.problems() for s in samples)
+
+
+# -------------------------------------------------------------------------------- fake servers
+
+
+@dataclass
+class Fake:
+    """How a fake server behaves. Each reply is `events` text events of `tokens_per_event`
+    tokens; the first is sent at once, the others `gap_s` apart."""
+
+    events: int = 4
+    tokens_per_event: int = 2
+    gap_s: float = 0.0
+    metrics: str = "vllm"  # "vllm" | "none"
+    fail_on: str = ""  # a 500 for requests whose text contains this
+    malformed: bool = False
+    api_key: str | None = None
+    drafts: int = 0  # vLLM counters, increased per finished request as below
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+def vllm_counters(fake: Fake) -> str:
+    c = fake.counts
+    lines = ["# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.",
+             "# TYPE vllm:spec_decode_num_drafts counter"]
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        lines.append(f'vllm:spec_decode_{name}_total{{engine="0",model_name="fake"}} '
+                     f"{c.get(name, 0.0)}")
+        lines.append(f'vllm:spec_decode_{name}_total{{engine="0",model_name="other"}} 999.0')
+    for pos in range(3):
+        lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",'
+                     f'model_name="fake",position="{pos}"}} {c.get(f"pos{pos}", 0.0)}')
+    lines.append(f'vllm:generation_tokens_total{{model_name="fake"}} {c.get("gen", 0.0)}')
+    return "\n".join(lines) + "\n"
+
+
+def count_request(fake: Fake, tokens: int) -> None:
+    """Per request: 2 drafts of 3 tokens, accepted 2 then 1 (positions 0, 1 / 0)."""
+    c = fake.counts
+    for key, add in (("num_drafts", 2), ("num_draft_tokens", 6), ("num_accepted_tokens", 3),
+                     ("pos0", 2), ("pos1", 1), ("gen", tokens)):
+        c[key] = c.get(key, 0.0) + add
+
+
+def fake_app(fake: Fake) -> Starlette:
+    def authorized(request: Request) -> bool:
+        return fake.api_key is None or \
+            request.headers.get("authorization") == f"Bearer {fake.api_key}"
+
+    async def models(request: Request) -> Response:
+        if not authorized(request):
+            return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def metrics(request: Request) -> Response:
+        if fake.metrics == "none":
+            return PlainTextResponse("not found", status_code=404)
+        return PlainTextResponse(vllm_counters(fake))
+
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        text = json.dumps(body.get("messages"))
+        if fake.fail_on and fake.fail_on in text:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        return StreamingResponse(events(body["max_tokens"]), media_type="text/event-stream")
+
+    async def events(max_tokens: int) -> AsyncIterator[str]:
+        if fake.malformed:
+            yield "data: {not json\n\n"
+            return
+        n = min(fake.events, max(1, max_tokens // fake.tokens_per_event))
+        yield 'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
+        for i in range(n):
+            if i:
+                await asyncio.sleep(fake.gap_s)
+            delta = {"content": " ".join(f"w{i}" for _ in range(fake.tokens_per_event))}
+            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
+                                                      "finish_reason": None}]}) + "\n\n"
+        tokens = n * fake.tokens_per_event
+        count_request(fake, tokens)
+        usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": tokens + 5}
+        yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {},
+                                                  "finish_reason": "length"}]}) + "\n\n"
+        yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics),
+                             Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@contextmanager
+def fake_server(fake: Fake) -> Iterator[str]:
+    with BackgroundServer(fake_app(fake)) as srv:
+        yield srv.url
+
+
+def one_prompt_run(url: str, fake_prompts: list[Prompt], batch: int = 1,
+                   **runner: Any) -> list[Any]:
+    config = ConfigSpec("fake", batch_size=batch, options={"url": url})
+    with HttpRunner(parse_endpoints([f"fake={url}"]), **runner) as r:
+        r.check([config])
+        return r.run(fake_prompts, config)
+
+
+def test_ttft_and_itl_are_timed_per_streamed_event() -> None:
+    """The first event comes at once, three more 0.2 s apart, 2 tokens each: TTFT is small
+    (not the end of the stream), ITL holds three ~0.2 s gaps and four zeros."""
+    with fake_server(Fake(events=4, tokens_per_event=2, gap_s=0.2)) as url:
+        (s,) = one_prompt_run(url, [Prompt("p", "qa", ["hi"], max_tokens=8)])
+    assert s.output_tokens == 8 and not s.failed
+    assert 0 < s.ttft_s < 0.15, s.ttft_s
+    assert s.latency_s > 0.55
+    gaps = sorted(s.itl_s)
+    assert len(gaps) == 7 and gaps[:4] == [0.0] * 4
+    assert all(0.15 < g < 0.45 for g in gaps[4:]), gaps
+    assert abs(s.ttft_s + sum(s.itl_s) - s.latency_s) < 0.1
+
+
+def test_vllm_metric_names_are_read_and_attributed() -> None:
+    """vLLM's counters (another model's series ignored) become the batch's counters: at
+    concurrency 2 the whole batch's counts go on its first request."""
+    prompts = [Prompt("p", "qa", ["hi"], max_tokens=8), Prompt("q", "qa", ["yo"], max_tokens=8)]
+    with fake_server(Fake()) as url:
+        first, second = one_prompt_run(url, prompts, batch=2)
+    assert (first.drafted, first.accepted) == (12, 6)
+    assert first.accepted_per_pos == [4, 2] and first.drafted_per_pos == [4, 4, 4]
+    assert first.steps == 2 * 7 - 6 and first.rejections == 4
+    assert (second.drafted, second.accepted, second.steps) == (0, 0, 0)
+    assert not first.problems() and not second.problems()
+
+
+def test_no_metrics_means_acceptance_unknown(tmp_path: Path) -> None:
+    lines = ['{"prompt": "hello", "id": "a"}', '{"prompt": "again", "id": "b"}']
+    with fake_server(Fake(metrics="none")) as base, fake_server(Fake(metrics="none")) as other:
+        out = tmp_path / "run"
+        code, stdout, err = run_cli([
+            "bench", "--endpoint", f"off={base}", "--endpoint", f"on={other}", "--workload",
+            str(workload_file(tmp_path, lines)), "--out", str(out), "--quiet",
+            "--resamples", "100"])
+    assert code == 0, err
+    results = read_results(out / "results.jsonl")
+    assert all((s.drafted, s.accepted, s.steps) == (0, 0, 0) for s in results.samples)
+    (line,) = [x for x in stdout.splitlines() if x.split()[:2] == ["on", "concurrency"]]
+    assert "concurrency 1: unknown" in line
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    on = next(c for c in report["analysis"]["configs"] if c["spec"]["name"] == "on")
+    assert on["acceptance"]["rate"] is None and on["acceptance"]["alpha"] is None
+    assert on["acceptance"]["mean_acceptance_length"] is None
+    assert report["header"]["runner"]["details"]["metrics"]["on"].startswith("unavailable")
+
+
+def test_failure_mid_run_is_recorded(tmp_path: Path) -> None:
+    """A 500 for one prompt: its sample is kept as failed (with the error), the others are
+    measured and reported."""
+    lines = ['{"prompt": "fine", "id": "a"}', '{"prompt": "FAIL here", "id": "b"}',
+             '{"prompt": "fine too", "id": "c"}']
+    with fake_server(Fake(fail_on="FAIL")) as url:
+        out = tmp_path / "run"
+        code, stdout, err = run_cli([
+            "bench", "--endpoint", url, "--workload", str(workload_file(tmp_path, lines)),
+            "--out", str(out), "--quiet", "--resamples", "100"])
+    assert code == 0, err
+    results = read_results(out / "results.jsonl")
+    assert [s.prompt_id for s in results.samples] == ["a", "c"]
+    (failed,) = results.failures
+    assert failed.prompt_id == "b" and "HTTP 500" in failed.error and "boom" in failed.error
+    assert url in failed.error
+    assert "1 request(s) failed" in stdout
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert [f["prompt_id"] for f in report["failures"]] == ["b"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_unreachable_endpoint_is_one_clear_error(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    code, _, err = run_cli(["bench", "--endpoint", url, "--out", str(tmp_path / "run"),
+                                 "--quiet"])
+    assert code == 2
+    assert err.startswith("specdecode: error: cannot reach") and url in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "results.jsonl").exists()
+
+
+def test_malformed_stream_and_bad_key_fail_before_measuring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with fake_server(Fake(malformed=True)) as url:
+        code, _, err = run_cli(["bench", "--endpoint", url, "--out", str(tmp_path / "a"),
+                                "--quiet"])
+    assert code == 2 and "malformed" in err and url in err
+    assert not (tmp_path / "a" / "results.jsonl").exists()
+    with fake_server(Fake(api_key="sekret")) as url:
+        code, _, err = run_cli(["bench", "--endpoint", url, "--out", str(tmp_path / "b"),
+                                "--quiet"])
+        assert code == 2 and "401" in err and "--api-key" in err and url in err
+        monkeypatch.setenv("SPECDECODE_API_KEY", "sekret")
+        (s,) = one_prompt_run(url, [Prompt("p", "qa", ["hi"], max_tokens=4)],
+                              api_key="sekret")
+        assert not s.failed
+        code, _, err = run_cli(["bench", "--endpoint", url, "--out", str(tmp_path / "c"),
+                                "--quiet", "--max-tokens", "4", "--categories", "qa"])
+        assert code == 0, err
+
+
+def test_endpoint_arguments_are_checked() -> None:
+    assert [e.name for e in parse_endpoints(["http://127.0.0.1:9/v1", "b=http://h:1"])] == \
+        ["127.0.0.1:9", "b"]
+    assert parse_endpoints(["x=http://h:1/v1/"])[0].url == "http://h:1"
+    configs = endpoint_configs(parse_endpoints(["a=http://h:1", "b=http://h:2"]))
+    assert configs[0].is_plain and not configs[1].is_plain and configs[1].k == "auto"
+    for bad in (["ftp://h"], ["a=http://h:1", "a=http://h:2"], ["nohost"]):
+        with pytest.raises(SpecDecodeError):
+            parse_endpoints(bad)
+    code, _, err = run_cli(["bench", "--endpoint", "http://127.0.0.1:9", "--configs", "plain"])
+    assert code == 2 and "--configs" in err
+
+
+# ------------------------------------------------------------------------------ pure functions
+
+
+def test_tokens_per_event() -> None:
+    assert tokens_per_event(["a", "b", "c"], 3) == [1, 1, 1]
+    assert tokens_per_event(["a", "bbbbbbb", "c"], 9) == [2, 6, 1]
+    assert tokens_per_event(["a", "b", "c", "d"], 2) == [1, 0, 0, 1]
+    assert tokens_per_event(["a", "b"], 1) == [1, 0]
+    assert sum(tokens_per_event(["ab", "c", "def"], 17)) == 17
+
+
+def test_read_counters_this_server_and_vllm() -> None:
+    ours = ('spec_decode_num_drafts_total{model_name="m"} 3.0\n'
+            'spec_decode_num_drafts_created{model_name="m"} 1.7e9\n'
+            'spec_decode_num_draft_tokens_total{model_name="m"} 9.0\n'
+            'spec_decode_num_accepted_tokens_total{model_name="m"} 5.0\n'
+            'spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0\n'
+            'spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3.0\n')
+    assert read_counters(ours, "m") == SpecCounters(3, 9, 5, (3, 2), None)
+    assert read_counters(ours, "other-model") is None
+    assert read_counters("# nothing here\nprocess_cpu_seconds_total 1.0\n") is None
+    fake = Fake()
+    count_request(fake, 8)
+    assert read_counters(vllm_counters(fake), "fake") == SpecCounters(2, 6, 3, (2, 1, 0), 8)
+
+
+def test_position_estimates_exact_for_fixed_k_and_refuse_pollution() -> None:
+    assert drafted_positions(4, 12, [4, 3, 1]) == [4, 4, 4]  # k = 3, 4 steps
+    assert drafted_positions(4, 10, [3, 1]) == [4, 4, 2]  # lengths as even as possible
+    assert drafted_positions(4, 3, []) is None  # fewer draft tokens than drafts
+    delta = SpecCounters(drafts=2, draft_tokens=6, accepted=3, per_pos=(2, 1, 0),
+                         generation_tokens=8)
+    counters = batch_counters(delta, [8])
+    assert counters is not None and counters.steps == 4 and counters.rejections == 2
+    assert batch_counters(delta, [4]) is None  # more generated than this batch received
+    assert batch_counters(SpecCounters(2, 6, 9, None, None), [8]) is None
+    assert batch_counters(None, [8]) is None
