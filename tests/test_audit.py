@@ -11,6 +11,7 @@ import torch
 from specdecode.audit import audit_greedy, audit_sampled
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.faults import FaultyDrafter
+from specdecode.errors import SpecDecodeError
 from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
 from specdecode.sampling import SamplingParams
@@ -68,3 +69,11 @@ def test_greedy_audit_counts_mismatches(pair: Any) -> None:
 def test_cli_audit_rejects_bad_options(tmp_path: Path) -> None:
     proc = run_cli("audit", "--drafter", "int8", "--samples", "3", "--temperature", "1")
     assert proc.returncode == 2 and "--samples" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sampled_audit_refuses_one_token_outcomes(pair: Any) -> None:
+    """With one token per outcome the drafter never runs: such an audit could not fail."""
+    target, draft = pair
+    with pytest.raises(SpecDecodeError, match="at least 2 tokens"):
+        audit_sampled(target, [5, 7, 3, 8], PARAMS, lambda: DraftModelDrafter(draft), 2,
+                      samples=400, tokens=1)

@@ -21,6 +21,7 @@ from typing import Any
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation
+from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 from specdecode.stats import chi_square_homogeneity, required_samples, tv_two_sample
 
@@ -102,6 +103,11 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
                   false_alarm: float = 1e-3, cells: int = 30, seed: int = 0,
                   eos: tuple[int, ...] = (), progress: Callable[[int], None] | None = None
                   ) -> AuditResult:
+    if tokens < 2:
+        raise SpecDecodeError(
+            f"--tokens {tokens}: the sampled audit needs at least 2 tokens per outcome (the "
+            "first token comes from the target alone, so with one token the drafter never runs "
+            "and the audit could not fail)")
     plain: Counter[Outcome] = Counter()
     spec: Counter[Outcome] = Counter()
     drafted = accepted = 0
