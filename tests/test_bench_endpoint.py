@@ -191,6 +191,7 @@ class Fake:
     gap_s: float = 0.0
     metrics: str = "vllm"  # "vllm" | "none"
     fail_on: str = ""  # a 500 for requests whose text contains this
+    error_after: int = 0  # > 0: an error event after this many text events
     malformed: bool = False
     api_key: str | None = None
     drafts: int = 0  # vLLM counters, increased per finished request as below
@@ -254,6 +255,9 @@ def fake_app(fake: Fake) -> Starlette:
             delta = {"content": " ".join(f"w{i}" for _ in range(fake.tokens_per_event))}
             yield "data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
                                                       "finish_reason": None}]}) + "\n\n"
+            if fake.error_after and i + 1 == fake.error_after:
+                yield 'data: {"error": {"message": "engine died"}}\n\ndata: [DONE]\n\n'
+                return
         tokens = n * fake.tokens_per_event
         count_request(fake, tokens)
         usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": tokens + 5}
@@ -281,16 +285,17 @@ def one_prompt_run(url: str, fake_prompts: list[Prompt], batch: int = 1,
 
 
 def test_ttft_and_itl_are_timed_per_streamed_event() -> None:
-    """The first event comes at once, three more 0.2 s apart, 2 tokens each: TTFT is small
-    (not the end of the stream), ITL holds three ~0.2 s gaps and four zeros."""
-    with fake_server(Fake(events=4, tokens_per_event=2, gap_s=0.2)) as url:
+    """The first event comes at once, three more 0.3 s apart, 2 tokens each: TTFT is small
+    (not the end of the stream), ITL holds three ~0.3 s gaps and four zeros. (Bounds are loose:
+    server and client share a possibly loaded machine.)"""
+    with fake_server(Fake(events=4, tokens_per_event=2, gap_s=0.3)) as url:
         (s,) = one_prompt_run(url, [Prompt("p", "qa", ["hi"], max_tokens=8)])
     assert s.output_tokens == 8 and not s.failed
-    assert 0 < s.ttft_s < 0.15, s.ttft_s
-    assert s.latency_s > 0.55
+    assert 0 < s.ttft_s < 0.25, s.ttft_s
+    assert s.latency_s > 0.85
     gaps = sorted(s.itl_s)
     assert len(gaps) == 7 and gaps[:4] == [0.0] * 4
-    assert all(0.15 < g < 0.45 for g in gaps[4:]), gaps
+    assert all(0.1 < g < 0.8 for g in gaps[4:]), gaps
     assert abs(s.ttft_s + sum(s.itl_s) - s.latency_s) < 0.1
 
 
@@ -346,6 +351,14 @@ def test_failure_mid_run_is_recorded(tmp_path: Path) -> None:
     assert "1 request(s) failed" in stdout
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert [f["prompt_id"] for f in report["failures"]] == ["b"]
+
+
+def test_error_event_mid_stream_keeps_what_was_measured() -> None:
+    with fake_server(Fake(events=4, gap_s=0.3, error_after=2)) as url:
+        (s,) = one_prompt_run(url, [Prompt("p", "qa", ["hi"], max_tokens=8)])
+    assert s.failed and "engine died" in s.error and url in s.error
+    assert s.output_tokens == 2 and s.text == "w0 w0w1 w1" and 0 < s.ttft_s < s.latency_s
+    assert len(s.itl_s) == 1 and s.itl_s[0] > 0.1 and not s.problems()
 
 
 def free_port() -> int:

@@ -56,6 +56,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from specdecode import __version__
+from specdecode.bench.hardware import detect_hardware
 from specdecode.bench.http_metrics import (
     BatchCounters,
     SpecCounters,
@@ -497,8 +498,8 @@ class HttpRunner:
     # ------------------------------------------------------------------------ description
 
     def describe(self) -> RunnerDescription:
-        """The model(s), no weight hash (the server's), this side's hardware only when every
-        endpoint is on this machine; endpoints, API and attribution rules under details."""
+        """The model(s), no weight hash (the server's), the servers' hardware as far as it is
+        known (`server_hardware`); endpoints, API and attribution rules under details."""
         models = sorted({i.model for i in self.info.values()}) or [self.model or "unknown"]
         description: RunnerDescription = {
             "runner": "http", "model_name": " | ".join(models), "precision": "server",
@@ -519,12 +520,7 @@ class HttpRunner:
                 "max_tokens_cap": self.max_tokens_cap, "request_timeout_s": self.timeout,
             },
         }
-        if not all(_is_local(e.url) for e in self.endpoints.values()):
-            hosts = ", ".join(sorted({urlsplit(e.url).netloc for e in self.endpoints.values()}))
-            description["hardware"] = {
-                "cpu_model": f"unknown (remote server: {hosts})", "cpu_cores": 0,
-                "torch_threads": None, "accelerator": None, "platform": "unknown",
-                "python": "unknown"}
+        description["hardware"] = server_hardware(list(self.endpoints.values()))
         return description
 
     # ------------------------------------------------------------------------------ run
@@ -630,6 +626,18 @@ class HttpRunner:
     def audit(self, config: ConfigSpec) -> list[AuditVerdict]:
         """None beyond the harness's greedy check (texts compared): []."""
         return []
+
+
+def server_hardware(endpoints: Sequence[Endpoint]) -> dict[str, object]:
+    """`HardwareInfo` fields of the servers: this machine's CPU when every endpoint is on it
+    (loopback), else unknown. Torch threads and accelerator are the servers' own: unknown."""
+    if all(_is_local(e.url) for e in endpoints):
+        local = detect_hardware(None, None)
+        return {**local.to_dict(), "torch_threads": None}
+    hosts = ", ".join(sorted({urlsplit(e.url).netloc for e in endpoints}))
+    return {"cpu_model": f"unknown (remote server: {hosts})", "cpu_cores": 0,
+            "torch_threads": None, "accelerator": None, "platform": "unknown",
+            "python": "unknown"}
 
 
 def _is_local(url: str) -> bool:
