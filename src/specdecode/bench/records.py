@@ -28,6 +28,8 @@ a step):
   first i + 1 were); `sum(accepted_per_pos) == accepted`.
 - `rejections`: steps in which a draft token was rejected (a recovered token was drawn). With
   `accepted` it gives the i.i.d. maximum-likelihood alpha: accepted / (accepted + rejections).
+- `error`: why the request failed ("" when it succeeded). A failed sample keeps what was
+  measured before the failure; `store.Results` files it under `failures`, out of every statistic.
 - `alpha_micro`, `alpha_positions`: the engine's direct measure of alpha, sum over verified draft
   positions of sum_x min(p(x), q(x)) in millionths, and the number of those positions (as in
   `specdecode.metrics.Counters`); 0 / 0 when the runner does not measure it.

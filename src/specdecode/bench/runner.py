@@ -1,7 +1,8 @@
 """The `Runner` protocol: what produces measurements for the benchmark harness.
 
-The in-process engine runner and (later) an HTTP runner implement it; the harness only calls
-these methods and never reaches into an engine, drafter or cache.
+The in-process engine runner (`bench.inprocess`) and the HTTP runner (`bench.http_runner`, any
+OpenAI-compatible server) implement it; the harness only calls these methods and never reaches
+into an engine, drafter or cache.
 
 Contract of `Runner.run(prompts, config)`:
 
@@ -17,7 +18,9 @@ Contract of `Runner.run(prompts, config)`:
   `batch_size=config.batch_size`, `temperature` set to the temperature used, and times and
   counters attributed as `records` documents. `group` and `started_at` may be left at their
   defaults: the harness sets `group`.
-- Errors the user can fix raise SpecDecodeError; samples already returned are kept.
+- Errors the user can fix raise SpecDecodeError; samples already returned are kept. A request
+  that fails mid-run (e.g. an HTTP 500) may instead be returned as a sample with `error` set,
+  holding what it measured: the results file keeps it, every statistic leaves it out.
 """
 
 from __future__ import annotations
