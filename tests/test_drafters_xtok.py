@@ -399,3 +399,24 @@ def test_smollm_through_text_is_plain_decoding_and_mostly_accepted(smollm: Loade
     spec = run(XtokDrafter(DraftModelDrafter(smollm.model), tok, tok), 4)
     assert spec.output == run(None, 0).output
     assert spec.counters.accepted >= 0.8 * spec.counters.drafted > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A target on the transformers adapter (the path Gemma 3 takes): rollback after rejections
+# ---------------------------------------------------------------------------------------------
+
+
+def test_greedy_identity_on_the_transformers_adapter(tmp_path: Path, char_draft: Path) -> None:
+    """A tiny Gemma 3 target on the adapter, drafted through text by the oracle without the
+    boundary cut: drafts are accepted and rejected, so the adapter's cache is rolled back after
+    rejections, and the output stays plain decoding's."""
+    folder = make_checkpoint(tmp_path / "gemma", "gemma3_text", seed=2, head_dim=16,
+                             sliding_window=4, layer_types=["sliding_attention",
+                                                            "sliding_attention", "full_attention"])
+    target_tok = word_tokenizer(folder)
+    model = load_model(str(folder)).model
+    assert model.backend == "transformers"
+    for k in (1, 3, 6):
+        gen = oracle_run(model, target_tok, Tokenizer(char_draft), NoBoundary, k)
+        assert gen.output == plain(model, 40), f"k={k}"
+        assert gen.counters.rejections > 0 and gen.counters.accepted > 0, f"k={k}"

@@ -48,9 +48,16 @@ class AdapterCache:
     def rollback(self, row: int, length: int) -> None:
         if not 0 <= length <= self.lengths[0]:
             raise ValueError(f"rollback to {length} but the cache holds {self.lengths[0]}")
-        if length < self.lengths[0]:
-            self.hf.crop(length)
         self.lengths[0] = length
+        self.crop()
+
+    def crop(self) -> None:
+        """Drop the transformers cache's states past `lengths[0]`. A negative argument to `crop`
+        removes that many tokens in every transformers version (transformers 5 refuses the
+        older absolute length)."""
+        extra = self.hf.get_seq_length() - self.lengths[0]
+        if extra > 0:
+            self.hf.crop(-extra)
 
     def keep(self, row: int, start: int, indices: torch.Tensor) -> None:
         raise SpecDecodeError("token trees need the native runner (--backend native)")
@@ -124,8 +131,7 @@ class TransformersModel(nn.Module):
             input_ids=tokens, past_key_values=cache.hf, position_ids=positions, use_cache=True
         )
         cache.lengths[0] += T if num_new is None else int(num_new[0])
-        if cache.lengths[0] < start + T:
-            cache.hf.crop(cache.lengths[0])
+        cache.crop()
         logits = out.logits.float()  # (1, T, V)
         if isinstance(logits_for, torch.Tensor):
             return logits[:, logits_for]
