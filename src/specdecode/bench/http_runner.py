@@ -238,8 +238,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
                          chat: bool) -> Stream:
     """POST `body` to `url` with stream=true and time every event; failures go to `error`."""
     stream = Stream(time.perf_counter(), time.time())
+    kind = ""
     try:
         async with client.stream("POST", url, json=body) as response:
+            kind = response.headers.get("content-type", "")
             if response.status_code >= 400:
                 message = error_message(await response.aread())
                 stream.error = f"HTTP {response.status_code}: {message}"
@@ -249,7 +251,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
         stream.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     stream.end = time.perf_counter()
     if not stream.error and not stream.done and stream.finish_reason is None:
-        stream.error = "the stream ended before its last event"
+        stream.error = (f"the stream ended before its last event (content-type {kind!r}; "
+                        "expected text/event-stream)")
     if stream.error:
         stream.error = f"{url}: {stream.error}"
     return stream
