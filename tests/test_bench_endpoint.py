@@ -334,23 +334,31 @@ def test_no_metrics_means_acceptance_unknown(tmp_path: Path) -> None:
 
 def test_failure_mid_run_is_recorded(tmp_path: Path) -> None:
     """A 500 for one prompt: its sample is kept as failed (with the error), the others are
-    measured and reported."""
+    measured and reported; --resume measures the failed unit again."""
     lines = ['{"prompt": "fine", "id": "a"}', '{"prompt": "FAIL here", "id": "b"}',
              '{"prompt": "fine too", "id": "c"}']
-    with fake_server(Fake(fail_on="FAIL")) as url:
-        out = tmp_path / "run"
-        code, stdout, err = run_cli([
-            "bench", "--endpoint", url, "--workload", str(workload_file(tmp_path, lines)),
-            "--out", str(out), "--quiet", "--resamples", "100"])
-    assert code == 0, err
+    fake = Fake(fail_on="FAIL")
+    out = tmp_path / "run"
+    argv = ["bench", "--endpoint", "x=http://127.0.0.1:1", "--workload",
+            str(workload_file(tmp_path, lines)), "--out", str(out), "--quiet",
+            "--resamples", "100"]
+    with fake_server(fake) as url:
+        argv[2] = f"x={url}"
+        code, stdout, err = run_cli(argv)
+        assert code == 0, err
+        fake.fail_on = ""
+        code, resumed, err = run_cli([*argv, "--resume"])
+        assert code == 0, err
     results = read_results(out / "results.jsonl")
-    assert [s.prompt_id for s in results.samples] == ["a", "c"]
+    assert [s.prompt_id for s in results.samples] == ["a", "c", "b"]  # b: resumed
     (failed,) = results.failures
     assert failed.prompt_id == "b" and "HTTP 500" in failed.error and "boom" in failed.error
     assert url in failed.error
     assert "1 request(s) failed" in stdout
+    assert "1 requests measured (2 resumed)" in resumed and "failed" not in resumed
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert [f["prompt_id"] for f in report["failures"]] == ["b"]
+    assert sorted(s["prompt_id"] for s in report["samples"]) == ["a", "b", "c"]
 
 
 def test_error_event_mid_stream_keeps_what_was_measured() -> None:

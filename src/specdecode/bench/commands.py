@@ -354,10 +354,11 @@ def endpoint_lines(outcome: Any) -> list[str]:
                     f"length {a.mean_acceptance_length:.2f}, alpha (i.i.d. estimate) "
                     f"{a.alpha:.2f}")
         lines.append(f"  {s.spec.name:<18} concurrency {s.spec.batch_size}: {text}")
-    if results.failures:
-        first = results.failures[0]
-        lines.append(f"{len(results.failures)} request(s) failed (kept in results.jsonl, left "
-                     f"out of every statistic); first: {first.error}")
+    done = results.done_units()
+    failed = [f for f in results.failures if f.unit not in done]  # not measured again since
+    if failed:
+        lines.append(f"{len(failed)} request(s) failed (kept in results.jsonl, left out of "
+                     f"every statistic; --resume runs them again); first: {failed[0].error}")
     return lines
 
 
