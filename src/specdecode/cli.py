@@ -35,8 +35,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none",
-                   help="none | int8 | ngram | layerskip | draft-model (with --draft-model)")
-    p.add_argument("--draft-model", default=None, help="draft checkpoint for --drafter draft-model")
+                   help="none | int8 | ngram | layerskip | draft-model | xtok (these two with "
+                        "--draft-model)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
+                        "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
     p.add_argument("--k", default="auto",
                    help="draft length 1..64, or auto (default): the controller picks 0..--kmax "
                         "per step from measured acceptance and costs")
