@@ -151,7 +151,8 @@ def test_bench_endpoint_end_to_end(tiny: LoadedModel, tmp_path: Path) -> None:
     assert any(x > 0 for s in spec_samples for x in s.itl_s)
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert {c["spec"]["name"] for c in report["analysis"]["configs"]} == {"plain", "spec"}
-    assert (out / "report.html").read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    html = (out / "report.html").read_text(encoding="utf-8")
+    assert html.startswith("<!DOCTYPE html>") and "batch size = concurrent streaming" in html
     assert "speedup" in stdout and "spec" in stdout and "accepted/drafted" in stdout
     assert "concurrency 2" in stdout
 

@@ -506,7 +506,7 @@ class HttpRunner:
         models = sorted({i.model for i in self.info.values()}) or [self.model or "unknown"]
         description: RunnerDescription = {
             "runner": "http", "model_name": " | ".join(models), "precision": "server",
-            "weight_hash": "unknown (served over HTTP)",
+            "weight_hash": "unknown (HTTP)",
             "details": {
                 "specdecode": __version__, "httpx": httpx.__version__,
                 "endpoints": {n: e.url for n, e in self.endpoints.items()},

@@ -220,6 +220,7 @@ def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
     headline = recommendation.render().splitlines()[0]
     context = {
         "header": header, "model": header.model, "workload": header.workload,
+        "runner": header.runner,
         "hardware_line": describe_hardware(header.hardware),
         "truncated": analysis.results.truncated_tail,
         "confidence": 0.95, "n_resamples": analysis.n_resamples, "seed": analysis.seed,
