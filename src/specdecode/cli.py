@@ -40,6 +40,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
                         "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
+    p.add_argument("--heads", default=None,
+                   help="trained heads folder for --drafter heads (default: the shipped ones)")
     p.add_argument("--k", default="auto",
                    help="draft length 1..64, or auto (default): the controller picks 0..--kmax "
                         "per step from measured acceptance and costs")
@@ -103,7 +105,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
-    factory = drafter_factory(args.drafter, loaded.model, args.draft_model, tokenizer=tok)
+    factory = drafter_factory(args.drafter, loaded.model, args.draft_model, tokenizer=tok,
+                              heads=args.heads)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode(text), params,
                      factory() if factory else None, args.k, eos)
@@ -148,7 +151,7 @@ def _audit_drafter(args: argparse.Namespace, loaded: Any) -> Any:
     from specdecode.drafters.registry import drafter_factory
 
     factory = drafter_factory(args.drafter, loaded.model, args.draft_model,
-                              tokenizer=loaded.tokenizer)
+                              tokenizer=loaded.tokenizer, heads=args.heads)
     if factory is None:
         raise SpecDecodeError("the audit needs a drafter (--drafter int8, ngram, ...)")
     if args.inject_fault is None:
@@ -247,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.server.cli import register as register_serve
 
     register_serve(sub)
+    from specdecode.train.cli import register as register_train
+
+    register_train(sub)
     return parser
 
 

@@ -12,6 +12,12 @@ speculative decoding share every line except the proposal.
 
 Cache invariant: the target cache holds every committed token except the last one (the pending
 token), whose logits the next step computes together with the draft.
+
+Feature hook: a drafter with an `observe(hidden, start)` method (drafters.base.wants_hidden; the
+EAGLE-style heads drafter) also gets the target's hidden states. The score move (and prefill)
+then run the target with return_hidden=True and apply its LM head here, which gives the same
+logits bit for bit, and commit hands the drafter the hidden rows of the positions it kept
+(the pending token and the accepted drafts). Other drafters are untouched.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 import torch
 
 from specdecode.control import AlphaEstimate, Controller
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Draft, Drafter, wants_hidden
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
@@ -96,6 +102,7 @@ class Generation:
         self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self._stops = StopChecker(params.stop)
         self._prefilled = 0  # prompt tokens (all but the last) already in the cache
+        self.wants_hidden = wants_hidden(drafter)  # the drafter observes the target's features
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
 
     @property
@@ -113,7 +120,11 @@ class Generation:
         with torch.inference_mode():
             for i in range(self._prefilled, end, PREFILL_CHUNK):
                 chunk = torch.tensor([self.context[i : min(end, i + PREFILL_CHUNK)]])
-                self.model(chunk, self.cache, logits_for="none")
+                if self.wants_hidden:
+                    hidden = self.model(chunk, self.cache, return_hidden=True)[0]  # (T, H)
+                    self.drafter.observe(hidden, i)  # type: ignore[union-attr]
+                else:
+                    self.model(chunk, self.cache, logits_for="none")
         self._prefilled = end
         self.counters.prefill_ns += time.perf_counter_ns() - start
         return self.prefilled
@@ -121,7 +132,7 @@ class Generation:
     def adopt_prefill(self, template: Generation) -> None:
         """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
         if template.context[: self.prompt_len] != self.context or not template.prefilled or \
-                not hasattr(template.cache, "k"):
+                not hasattr(template.cache, "k") or self.wants_hidden:
             self.prefill()
             return
         n = self.prompt_len - 1
@@ -140,12 +151,12 @@ class Generation:
         t0 = time.perf_counter_ns()
         draft = self.propose()  # 1. propose
         t1 = time.perf_counter_ns()
-        with torch.inference_mode():
-            logits = self.model(self.fed(draft)[None], self.cache)[0]  # 2. score: (k+1, V)
+        logits, hidden = score(self.model, self.fed(draft)[None], self.cache,
+                               self.wants_hidden)  # 2. score: (1, k+1, V)
         t2 = time.perf_counter_ns()
         self.counters.draft_ns += t1 - t0
         self.counters.target_ns += t2 - t1
-        return self.finish_step(logits, draft)
+        return self.finish_step(logits[0], draft, None if hidden is None else hidden[0])
 
     def fed(self, draft: Draft) -> torch.Tensor:
         """The tokens the target scores this step: the pending token, then the draft."""
@@ -161,14 +172,18 @@ class Generation:
             draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
         return Draft(draft.tokens[:k].to(torch.long), None if draft.q is None else draft.q[:k])
 
-    def finish_step(self, logits: torch.Tensor, draft: Draft) -> StepOutput:
-        """Moves 3-5 for this request, given the target's (k+1, V) logits of this step."""
+    def finish_step(self, logits: torch.Tensor, draft: Draft,
+                    hidden: torch.Tensor | None = None) -> StepOutput:
+        """Moves 3-5 for this request, given the target's (k+1, V) logits of this step (and its
+        (k+1, H) hidden states when the drafter observes them)."""
         c = self.counters
         t2 = time.perf_counter_ns()
         result, alphas = self._verify(logits, draft)  # 3. verify
         t3 = time.perf_counter_ns()
         base = len(self.context) - 1
         self.cache.rollback(self.row, base + 1 + result.num_accepted)  # 4. commit
+        if hidden is not None and self.wants_hidden:  # features of the kept positions
+            self.drafter.observe(hidden[: result.num_accepted + 1], base)  # type: ignore[union-attr]
         out = self._emit(result.tokens.tolist())
         c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
         c.record_alpha(alphas)
@@ -287,10 +302,12 @@ class BatchEngine:
             return []
         ks = self._choose_k()
         drafts = self._propose(ks)
-        logits = self._score(drafts)
+        logits, hidden = self._score(drafts)
         outputs = []
         for i, (gen, draft) in enumerate(zip(list(self.active), drafts, strict=True)):
-            out = gen.finish_step(logits[i, : len(draft.tokens) + 1], draft)
+            rows = len(draft.tokens) + 1
+            features = None if hidden is None else hidden[i, :rows]
+            out = gen.finish_step(logits[i, :rows], draft, features)
             if id(gen) in self.alphas:
                 self.alphas[id(gen)].observe(gen.last_alphas)
             outputs.append((gen, out))
@@ -362,8 +379,9 @@ class BatchEngine:
             self.controller.costs.observe_draft(drafted, (time.perf_counter_ns() - start) / 1e9)
         return drafts
 
-    def _score(self, drafts: list[Draft]) -> torch.Tensor:
-        """One target forward over the active rows: (n, T, V) logits, rows padded to T."""
+    def _score(self, drafts: list[Draft]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over the active rows: (n, T, V) logits, rows padded to T, and the
+        (n, T, H) hidden states when some request's drafter observes them (else None)."""
         n = len(self.active)
         fed = [g.fed(d) for g, d in zip(self.active, drafts, strict=True)]
         width = max(len(f) for f in fed)
@@ -374,15 +392,29 @@ class BatchEngine:
         view.k, view.v = self.cache.k[:, :n], self.cache.v[:, :n]
         view.lengths = self.cache.lengths[:n]
         start = time.perf_counter_ns()
-        with torch.inference_mode():
-            logits = self.model(tokens, view, num_new=[len(f) for f in fed])
+        want = any(g.wants_hidden for g in self.active)
+        logits, hidden = score(self.model, tokens, view, want, num_new=[len(f) for f in fed])
         elapsed = time.perf_counter_ns() - start
         self.cache.lengths[:n] = view.lengths
         for gen in self.active:
             gen.counters.target_ns += elapsed
         if self.controller is not None:
             self.controller.costs.observe_target(n, width, elapsed / 1e9)
-        return logits
+        return logits, hidden
+
+
+def score(model: Any, tokens: torch.Tensor, cache: Any, want_hidden: bool,
+          **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's logits (B, T, V) of `tokens`, and its hidden states (B, T, H) if asked.
+
+    With hidden states, the LM head is applied here to the runner's return_hidden output: the
+    same operations as its own logits path, so the logits are identical either way.
+    """
+    with torch.inference_mode():
+        if not want_hidden:
+            return model(tokens, cache, **kwargs), None
+        hidden = model(tokens, cache, return_hidden=True, **kwargs)  # (B, T, H)
+        return model.lm_head(hidden).float(), hidden
 
 
 def run_batch(engine: BatchEngine, gens: list[Generation]) -> list[Generation]:

@@ -40,3 +40,19 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget the request: free caches, clear state."""
         ...
+
+
+class FeatureObserver(Protocol):
+    """Optional: a drafter that also reads the target's hidden states (EAGLE-style heads).
+
+    The engine calls `observe(hidden, start)` with the target's hidden states after its final
+    norm, (n, H), for context positions start..start+n-1: the prompt as it is prefilled, then
+    after each step the positions kept (the pending token and the accepted draft tokens).
+    """
+
+    def observe(self, hidden: torch.Tensor, start: int) -> None: ...
+
+
+def wants_hidden(drafter: object) -> bool:
+    """True when `drafter` has an `observe` method: the engine then passes it target features."""
+    return callable(getattr(drafter, "observe", None))

@@ -13,7 +13,7 @@ from typing import Any
 from specdecode.drafters.base import Drafter
 from specdecode.errors import SpecDecodeError
 
-DRAFTERS = ("none", "draft-model", "int8", "ngram", "layerskip", "xtok")
+DRAFTERS = ("none", "draft-model", "int8", "ngram", "layerskip", "heads", "xtok")
 
 DrafterFactory = Callable[[], Drafter]
 
@@ -28,12 +28,14 @@ def drafter_factory(
     ngram_min: int = 1,
     layers: Sequence[int] | None = None,
     tokenizer: Any | None = None,
+    heads: str | None = None,
 ) -> DrafterFactory | None:
     """A maker of per-request drafters for `target` (a runner); None for 'none'.
 
     ngram: n-gram sizes tried, ngram_max down to ngram_min. layerskip: the blocks the draft runs
     (`layers`), else the calibrated default for this model, cached, or calibrated now with
-    `tokenizer` (once per model; see drafters.layerskip).
+    `tokenizer` (once per model; see drafters.layerskip). heads: the folder of trained heads
+    (default: the weights shipped for the default target; refused if made for another target).
     """
     from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
     from specdecode.models.precision import quantize_int8
@@ -60,6 +62,15 @@ def drafter_factory(
         ).layers
         check_layers(target, kept)
         return lambda: LayerSkipDrafter(target, kept, capacity)
+    if name == "heads":
+        from pathlib import Path
+
+        from specdecode.drafters.heads import HeadsDrafter, default_heads_dir, load_heads
+
+        if getattr(target, "backend", "") != "native":
+            raise SpecDecodeError("the heads drafter needs a target on the native runner")
+        model = load_heads(target, Path(heads).expanduser() if heads else default_heads_dir())
+        return lambda: HeadsDrafter(model, capacity)
     if name == "int8":
         if getattr(target, "backend", "") != "native":
             raise SpecDecodeError("the int8 drafter needs a target on the native runner")

@@ -237,8 +237,15 @@ class LlamaModel(nn.Module):
         logits_for: str | torch.Tensor = "all",  # "all", "last", "none" or (n,) indices into T
         layers: Sequence[int] | None = None,  # subset of blocks to run (self-speculation)
         return_hidden: bool = False,
+        embeds: torch.Tensor | None = None,  # (B, T, H) input vectors used instead of embed(tokens)
     ) -> torch.Tensor:
-        """Score T new positions per row; returns logits (B, T', V) or hidden states (B, T, H)."""
+        """Score T new positions per row; returns logits (B, T', V) or hidden states (B, T, H).
+
+        Hidden states are after the final norm: `lm_head(hidden)` gives the logits, bit for bit
+        those of the same call without return_hidden. `embeds` feeds the blocks vectors instead
+        of token embeddings (EAGLE-style feature drafters, drafters.heads); `tokens` then only
+        gives the shape.
+        """
         B, T = tokens.shape
         cache.check_room(T)
         lengths = list(cache.lengths)
@@ -254,7 +261,7 @@ class LlamaModel(nn.Module):
             slots = torch.tensor(lengths)[:, None] + torch.arange(T)[None, :]
             write = (torch.arange(B)[:, None].expand(B, T), slots)
         step = _Step(B, T, cos, sin, write, used, self._mask(lengths, T, used, tree_mask))
-        x = self.embed(tokens).view(B * T, -1)  # (B * T, H)
+        x = (self.embed(tokens) if embeds is None else embeds).reshape(B * T, -1)  # (B * T, H)
         for i in layers if layers is not None else range(len(self.layers)):
             x = self.layers[i](x, step, (cache.k[i], cache.v[i]))
         for b in range(B):

@@ -1,0 +1,270 @@
+"""An EAGLE-style feature drafter trained on the frozen target (Li et al. 2024, "EAGLE:
+Speculative Sampling Requires Rethinking Feature Uncertainty").
+
+The target's last hidden state f_t (after its final norm: the vector its LM head reads) carries
+most of what the next tokens will be. The drafter predicts the NEXT feature from the current one
+and the token that was actually chosen, with one decoder layer of its own:
+
+    x_j = fc(concat(embed(token_{j+1}), f_j))       # (2H -> H), embed = the target's, frozen
+    h_j = norm(block(x_j | x_0..x_{j-1}))           # one Llama block with its own KV cache
+    q(token_{j+2}) = softmax(lm_head_S(h_j))        # the target's LM head rows of S, frozen
+
+and drafts autoregressively by feeding its own predicted feature h_j back as f_{j+1}. Features of
+committed positions come from the target (the engine passes them to `observe` after each step);
+predicted ones only live for the current proposal.
+
+Reduced draft vocabulary (as FR-Spec, Zhao et al. 2025, and EAGLE-3 do): the draft's LM head keeps
+only the rows of a frequent-token subset S (`vocab`), so its cost stays a fraction of the
+target's 49k-row head. q is then zero outside S: still a distribution, computed by the same
+sampling pipeline as the target's p from logits that are -inf outside S, so verification stays
+lossless (a token outside S is simply never drafted; the target can still emit it).
+
+Trained weights (fc, block, norm and the subset ids) live in a folder with a model card that
+names the target by the sha256 of its weights; weights made for another target are refused.
+`specdecode train heads` (train.heads) makes them; the default folder ships in the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from specdecode.drafters.base import Draft
+from specdecode.errors import SpecDecodeError
+from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
+
+WEIGHTS_FILE = "heads.safetensors"
+DEFAULT_HEADS = "smollm2-135m"  # folder under specdecode/data/heads
+_EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+def default_heads_dir() -> Path:
+    """The shipped weights for the default target (may be absent from a source checkout)."""
+    return Path(str(resources.files("specdecode") / "data" / "heads" / DEFAULT_HEADS))
+
+
+class FeatureDrafterModel(nn.Module):
+    """fc + one Llama block + norm over the target's features; LM head = target rows of `vocab`.
+
+    The block runs through the native runner itself (a one-block LlamaModel fed `embeds`), so
+    training and drafting share one forward. The token embedding and the LM head are the
+    target's, frozen and never saved.
+    """
+
+    def __init__(self, target: Any, vocab: torch.Tensor) -> None:
+        super().__init__()
+        from specdecode.models.llama import Linear, LlamaModel
+
+        cfg = target.cfg
+        self.vocab: torch.Tensor
+        self.register_buffer("vocab", vocab.to(torch.long).clone())  # (S,) token ids
+        self.target_vocab = cfg.vocab_size
+        dcfg = dataclasses.replace(cfg, num_layers=1, vocab_size=int(vocab.numel()),
+                                   tie_embeddings=True)
+        with torch.device("meta"):
+            self.core = LlamaModel(dcfg)
+        head = target_head_weight(target)[self.vocab].clone()  # (S, H)
+        embedding = nn.Embedding.from_pretrained(head, freeze=True)  # unused: embeds given
+        lm = Linear(cfg.hidden_size, head.shape[0], bias=False)
+        lm.weight = embedding.weight
+        self.core.embed = embedding
+        self.core.lm_head = lm
+        self.core.inv_freq = target.inv_freq.clone()
+        self.core.norm = nn.Parameter(target.norm.detach().clone())
+        self.core.layers[0] = init_block(target, dcfg)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self._embed = [target.embed]  # a list: not a submodule (frozen, never saved)
+
+    def new_cache(self, batch: int, capacity: int) -> Any:
+        return self.core.new_cache(batch, capacity)
+
+    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Predicted next features (B, T, H) for entries (tokens[:, j], feats[:, j]).
+
+        tokens: (B, T) the token at position j+1; feats: (B, T, H) the feature at position j.
+        """
+        with torch.no_grad():
+            emb = self._embed[0](tokens).float()  # (B, T, H)
+        x = self.fc(torch.cat([emb, feats], dim=-1))  # (B, T, H)
+        return self.core(tokens, cache, embeds=x, return_hidden=True)  # type: ignore[no-any-return]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the subset: (..., S)."""
+        return self.core.lm_head(hidden).float()  # type: ignore[no-any-return]
+
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the whole vocabulary, -inf outside the subset: (T, V)."""
+        sub = self.logits(hidden)  # (T, S)
+        out = torch.full((sub.shape[0], self.target_vocab), -math.inf)
+        out[:, self.vocab] = sub
+        return out
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """The tensors training changes (and the subset): what a weights file holds."""
+        block = self.core.layers[0]
+        out = {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
+        out.update({f"block.{k}": v for k, v in block.state_dict().items()})
+        out["norm"] = self.core.norm.detach()
+        out["vocab"] = self.vocab
+        return out
+
+    def load_trained_state(self, state: dict[str, torch.Tensor], source: str) -> None:
+        expect = self.trained_state()
+        if set(state) != set(expect) or any(state[k].shape != expect[k].shape for k in expect):
+            raise SpecDecodeError(f"{source}: heads weights do not fit this target's shapes")
+        with torch.no_grad():
+            self.fc.load_state_dict({k[3:]: state[k].float() for k in state if k[:3] == "fc."})
+            self.core.layers[0].load_state_dict(
+                {k[6:]: state[k].float() for k in state if k.startswith("block.")})
+            self.core.norm.copy_(state["norm"].float())
+        if not torch.equal(self.vocab, state["vocab"].to(torch.long)):
+            raise SpecDecodeError(f"{source}: heads vocabulary differs from the model's")
+
+
+def target_head_weight(target: Any) -> torch.Tensor:
+    """The target's LM head as an fp32 (V, H) matrix."""
+    from specdecode.models.precision import float_weight
+
+    return float_weight(target.lm_head)[0].detach().float()
+
+
+def init_block(target: Any, cfg: Any) -> nn.Module:
+    """The draft block, initialised as a copy of the target's last block (fp32)."""
+    from specdecode.models.llama import Block
+    from specdecode.models.precision import float_weight
+
+    src = target.layers[len(target.layers) - 1]
+    block = Block(cfg)
+    with torch.no_grad():
+        block.attn_norm.copy_(src.attn_norm)
+        block.mlp_norm.copy_(src.mlp_norm)
+        for name in ("qkv", "o", "gate_up", "down"):
+            w, b = float_weight(getattr(src, name))
+            getattr(block, name).weight.copy_(w)
+            if b is not None:
+                getattr(block, name).bias.copy_(b)
+    return block
+
+
+def load_heads(target: Any, folder: Path) -> FeatureDrafterModel:
+    """Trained heads from `folder` (heads.safetensors + card.json) for `target`; refused with a
+    clear message if they were trained for another target."""
+    from specdecode.train.checkpoint import check_target, read_card
+
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise SpecDecodeError(f"{folder}: no {WEIGHTS_FILE} (train heads with "
+                              "`specdecode train heads` or pass --heads PATH)")
+    check_target(read_card(folder), target, folder)
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise SpecDecodeError(f"{path}: corrupt or unreadable safetensors ({exc})") from exc
+    if "vocab" not in state:
+        raise SpecDecodeError(f"{path}: no 'vocab' tensor (not a heads weights file)")
+    model = FeatureDrafterModel(target, state["vocab"])
+    model.load_trained_state(state, str(path))
+    return model.eval()
+
+
+class HeadsDrafter:
+    """Per-request EAGLE drafter: target features in, one draft block with its own KV cache.
+
+    Draft-cache entry j holds (token_{j+1}, f_j); entries built from the target's features stay
+    valid across steps (re-synced by common prefix), entries from predicted features are
+    overwritten at the next proposal.
+    """
+
+    name = "heads"
+
+    def __init__(self, model: FeatureDrafterModel, capacity: int = 4096) -> None:
+        self.model = model
+        self.capacity = capacity
+        self.feats = torch.zeros(0, model.fc.out_features)  # (n, H): target features, pos 0..
+        self.num_feats = 0
+        self.cache: Any = None
+        self.fed: list[int] = []  # token of each valid draft-cache entry (token_{j+1})
+
+    def reset(self) -> None:
+        self.feats, self.num_feats, self.cache, self.fed = self.feats[:0], 0, None, []
+
+    def observe(self, hidden: torch.Tensor, start: int) -> None:
+        """The target's features (n, H) of context positions start..start+n-1 (after its final
+        norm). Later positions are forgotten; draft entries that used them become invalid."""
+        n = hidden.shape[0]
+        if start > self.num_feats:  # a gap: features of the positions in between are unknown
+            return
+        with torch.inference_mode():
+            if self.feats.shape[0] < start + n:
+                size = max(start + n, 2 * self.feats.shape[0], 128)
+                grown = torch.zeros(size, self.feats.shape[1])
+                grown[: self.num_feats] = self.feats[: self.num_feats]
+                self.feats = grown
+            self.feats[start : start + n] = hidden.float()
+        self.num_feats = start + n
+        del self.fed[start:]
+
+    def _reserve(self, entries: int) -> None:
+        if self.cache is not None and self.cache.capacity >= entries:
+            return
+        size = min(self.capacity, max(entries, 128, 2 * getattr(self.cache, "capacity", 0)))
+        old, self.cache = self.cache, self.model.new_cache(1, size)
+        if old is not None:
+            n = old.lengths[0]
+            self.cache.k[:, 0, :, :n] = old.k[:, 0, :, :n]
+            self.cache.v[:, 0, :, :n] = old.v[:, 0, :, :n]
+            self.cache.lengths[0] = n
+
+    def _sync(self, ctx: list[int]) -> torch.Tensor:
+        """Entries 0..L-2 for context `ctx` (L tokens) from the target's features; the predicted
+        feature of position L-1 (1, H)."""
+        last = len(ctx) - 2  # the last entry: (token L-1, feature L-2)
+        n = 0
+        while n < min(len(self.fed), last) and self.fed[n] == ctx[n + 1]:
+            n += 1
+        self.cache.rollback(0, n)
+        tokens = torch.tensor([ctx[n + 1 :]])  # (1, L-1-n)
+        hidden = self.model(tokens, self.feats[n : last + 1][None], self.cache)[0]
+        self.fed = ctx[1:]
+        return hidden[-1:]  # (1, H)
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        params: SamplingParams,
+        prompt_len: int,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        with torch.inference_mode():
+            return self._propose(context.tolist(), k, params, prompt_len, generator)
+
+    def _propose(self, ctx: list[int], k: int, params: SamplingParams, prompt_len: int,
+                 generator: torch.Generator | None) -> Draft:
+        if len(ctx) < 2 or self.num_feats < len(ctx) - 1 or len(ctx) + k > self.capacity:
+            return Draft(_EMPTY, None)  # no target features for this context (yet)
+        self._reserve(len(ctx) + k)
+        hidden = self._sync(ctx)
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(k):
+            logits = self.model.full_logits(hidden)  # (1, V)
+            history = torch.tensor(ctx + tokens)
+            if params.greedy:
+                tok = int(greedy_tokens(logits, params, history, prompt_len, _EMPTY)[0])
+            else:
+                q = probs_from_logits(logits, params, history, prompt_len, _EMPTY)[0]  # (V,)
+                tok = int(sample(q, generator))
+                qs.append(q)
+            tokens.append(tok)
+            if i + 1 < k:
+                hidden = self.model(torch.tensor([[tok]]), hidden[None], self.cache)[0]
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(qs) if qs else None)

@@ -1,0 +1,1 @@
+"""Training drafters on the target: corpora, resumable checkpoints, heads, distillation."""
