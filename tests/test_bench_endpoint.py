@@ -157,14 +157,16 @@ def test_bench_endpoint_end_to_end(tiny: LoadedModel, tmp_path: Path) -> None:
     assert "concurrency 2" in stdout
 
 
-def test_acceptance_matches_the_engine(tiny: LoadedModel, tmp_path: Path) -> None:
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_acceptance_matches_the_engine(tiny: LoadedModel, tmp_path: Path, chat: bool) -> None:
     """Summed over the run, the samples' drafted, accepted and per-position counts are exactly
-    what the server's engine counted (at concurrency 1 and 2)."""
+    what the server's engine counted (at concurrency 1 and 2), through either API."""
     tally = EngineTally()
     prompts = load_workload(workload_file(tmp_path)).prompts
     with serving(tiny, tally) as (srv, _):
         configs = [ConfigSpec("spec", batch_size=b, options={"url": srv.url}) for b in (1, 2)]
-        with HttpRunner(parse_endpoints([f"spec={srv.url}"]), default_max_tokens=12) as runner:
+        with HttpRunner(parse_endpoints([f"spec={srv.url}"]), default_max_tokens=12,
+                        chat=chat) as runner:
             runner.check(configs)
             tally.reset()  # the probe's request does not count
             samples = [s for b in (1, 2) for i in range(0, len(prompts), b)
@@ -176,7 +178,7 @@ def test_acceptance_matches_the_engine(tiny: LoadedModel, tmp_path: Path) -> Non
     per_pos = [sum(s.accepted_per_pos[i] for s in samples if i < len(s.accepted_per_pos))
                for i in range(width)]
     assert per_pos == tally.per_pos[:width] and not any(tally.per_pos[width:])
-    assert all(not s.problems() for s in samples)
+    assert all(not s.problems() and s.output_tokens > 0 and s.text for s in samples)
 
 
 # -------------------------------------------------------------------------------- fake servers
