@@ -37,7 +37,8 @@ from specdecode.models.loading import load_model
 from specdecode.sampling import SamplingParams
 
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"
-CONFIGS: list[tuple[str, int | str]] = [("plain", 0), ("k=2", 2), ("k=4", 4), ("auto", "auto")]
+CONFIGS: list[tuple[str, int | str]] = [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=4", 4),
+                                        ("auto", "auto")]
 KMAX = 6
 
 
@@ -47,27 +48,38 @@ def prompts(category: str, n: int, cut: int) -> list[str]:
     return [turns[i % len(turns)] for i in range(n)]
 
 
-def run_cell(loaded: Any, texts: list[str], temperature: float, k: int | str, max_tokens: int,
-             controller: Controller | None) -> dict[str, Any]:
-    tok, model = loaded.tokenizer, loaded.model
-    gens = []
+def prefilled(loaded: Any, texts: list[str], temperature: float, max_tokens: int
+              ) -> list[Generation]:
+    """One prefilled plain Generation per prompt: every cell copies its KV instead of
+    prefilling again (prefill is outside the clock either way)."""
+    tok = loaded.tokenizer
+    templates = []
     for i, text in enumerate(texts):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i)
-        kk = KMAX if k == "auto" else int(k)
-        gen = Generation(model, None, ids, params, NgramDrafter() if kk else None, kk,
-                         tok.eos_ids)
+        gen = Generation(loaded.model, None, ids, params, None, 0, tok.eos_ids)
         gen.prefill()
+        templates.append(gen)
+    return templates
+
+
+def run_cell(loaded: Any, templates: list[Generation], k: int | str,
+             controller: Controller | None) -> dict[str, Any]:
+    model = loaded.model
+    gens = []
+    for t in templates:
+        kk = KMAX if k == "auto" else int(k)
+        gen = Generation(model, None, t.context[: t.prompt_len], t.params,
+                         NgramDrafter() if kk else None, kk, loaded.tokenizer.eos_ids)
+        gen.adopt_prefill(t)
         gens.append(gen)
     engine = BatchEngine(model, len(gens), max(g.capacity for g in gens),
                          controller if k == "auto" else None)
     for gen in gens:
         engine.submit(gen)
-    last = {id(g): 0.0 for g in gens}
     itl: list[float] = []
     start = time.perf_counter()
-    for gen in gens:
-        last[id(gen)] = start
+    last = {id(g): start for g in gens}
     while engine.busy:
         outputs = engine.step()
         now = time.perf_counter()
@@ -77,21 +89,54 @@ def run_cell(loaded: Any, texts: list[str], temperature: float, k: int | str, ma
                 itl.extend([0.0] * (len(out.tokens) - 1))
                 last[id(gen)] = now
     wall = time.perf_counter() - start
-    emitted = sum(len(g.output) for g in gens)
     drafted = sum(g.counters.drafted for g in gens)
     accepted = sum(g.counters.accepted for g in gens)
-    q = statistics.quantiles(itl, n=100) if len(itl) > 1 else [itl[0]] * 99
-    return {"throughput": emitted / wall, "itl_p50_ms": q[49] * 1e3, "itl_p99_ms": q[98] * 1e3,
+    return {"throughput": sum(len(g.output) for g in gens) / wall, "itl": itl,
             "accepted_per_drafted": accepted / drafted if drafted else None,
             "target_kv_bytes": engine.cache.nbytes(), "draft_kv_bytes": 0,
             "draft_weight_bytes": 0, "peak_rss_bytes": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def pct(xs: list[float], q: int) -> float:
+    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
+
+
+def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens: int,
+                  rounds: int) -> list[dict[str, Any]]:
+    """Every config `rounds` times, the order rotated each round; per config: the median of
+    its throughput ratio to the same round's plain run, with min-max, and pooled ITLs."""
+    templates = prefilled(loaded, texts, temperature, max_tokens)
+    run_cell(loaded, templates[:1], 2, None)  # warm-up
+    controller = Controller(kmax=KMAX, costs=calibrated_costs(loaded.model, [len(texts)],
+                                                              KMAX, repeats=2))
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in CONFIGS}
+    for r in range(rounds):
+        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[: r % len(CONFIGS)]
+        for label, k in order:
+            runs[label].append(run_cell(loaded, templates, k, controller))
+    cells = []
+    for label, _ in CONFIGS:
+        rs = runs[label]
+        ratios = [a["throughput"] / p["throughput"] for a, p in zip(rs, runs["plain"],
+                                                                      strict=True)]
+        itl = [x for cell in rs for x in cell["itl"]]
+        acc = [c["accepted_per_drafted"] for c in rs if c["accepted_per_drafted"] is not None]
+        cells.append({"config": label, "throughput": statistics.median(
+            c["throughput"] for c in rs), "ratio": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
+            "accepted_per_drafted": statistics.mean(acc) if acc else None,
+            **{key: rs[-1][key] for key in ("target_kv_bytes", "draft_kv_bytes",
+                                            "draft_weight_bytes", "peak_rss_bytes")}})
+    return cells
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -101,40 +146,49 @@ def main() -> None:
     hw = hardware()
     batches = [int(b) for b in args.batches.split(",")]
     print(f"# SmolLM2-135M-Instruct fp32, n-gram drafter, {args.max_tokens} new tokens, "
-          f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads); target "
+          f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
+          f"{hw.get('load_avg_1m')}; {args.rounds} rounds per cell, order rotated; target "
           f"weights {loaded.weight_bytes() / 2**20:.0f} MiB, draft weights 0, draft KV 0")
+    print("# x plain = median over rounds of (config tok/s / plain tok/s of the same round), "
+          "(min-max); ITL pooled over rounds")
     workloads = [("summarization greedy", "summarization", 0.0, 1500),
                  ("writing T=1.0", "writing", 1.0, 1500)]
     results: list[dict[str, Any]] = []
     for name, category, temperature, cut in workloads:
         print(f"\n## {name}")
-        print(f"{'batch':>5} {'config':>6} {'tok/s':>8} {'x plain':>8} {'ITL p50':>8} "
-              f"{'ITL p99':>8} {'acc/dr':>6} {'target KV':>9} {'peak RSS':>8}")
+        print(f"{'batch':>5} {'config':>6} {'tok/s':>8} {'x plain (min-max)':>18} "
+              f"{'ITL p50':>8} {'ITL p99':>8} {'acc/dr':>6} {'target KV':>9} {'peak RSS':>8}")
         for batch in batches:
             texts = prompts(category, batch, cut)
-            run_cell(loaded, texts[:1], temperature, 2, 4, None)  # warm-up
-            controller = Controller(kmax=KMAX, costs=calibrated_costs(loaded.model, [batch],
-                                                                      KMAX, repeats=2))
-            plain = None
-            for label, k in CONFIGS:
-                cell = run_cell(loaded, texts, temperature, k, args.max_tokens, controller)
-                plain = cell["throughput"] if label == "plain" else plain
-                cell.update(workload=name, batch=batch, config=label,
-                            ratio=cell["throughput"] / plain if plain else None)
+            for cell in measure_batch(loaded, texts, temperature, args.max_tokens, args.rounds):
+                cell.update(workload=name, batch=batch)
                 results.append(cell)
                 acc = cell["accepted_per_drafted"]
-                print(f"{batch:5d} {label:>6} {cell['throughput']:8.1f} {cell['ratio']:8.2f} "
+                spread = f"{cell['ratio']:.2f} ({cell['ratio_min']:.2f}-{cell['ratio_max']:.2f})"
+                print(f"{batch:5d} {cell['config']:>6} {cell['throughput']:8.1f} {spread:>18} "
                       f"{cell['itl_p50_ms']:8.1f} {cell['itl_p99_ms']:8.1f} "
                       f"{'-' if acc is None else f'{acc:.2f}':>6} "
                       f"{cell['target_kv_bytes'] / 2**20:8.1f}M "
                       f"{cell['peak_rss_bytes'] / 2**30:7.2f}G", flush=True)
-        cells = [r for r in results if r["workload"] == name]
-        stop = next((b for b in batches if max(r["ratio"] for r in cells if r["batch"] == b
-                                               and r["config"].startswith("k=")) < 1.0), None)
-        print(f"speculation (best fixed k) stops paying at batch {stop} for {name}"
-              if stop else f"speculation pays at every batch size measured for {name}")
+        summarize(name, [r for r in results if r["workload"] == name], batches)
     if args.out:
         Path(args.out).write_text(json.dumps({"hardware": hw, "results": results}, indent=2))
+
+
+def summarize(name: str, cells: list[dict[str, Any]], batches: list[int]) -> None:
+    """Where the best fixed k stops beating plain; auto against plain and the best fixed k."""
+    def at(b: int) -> list[dict[str, Any]]:
+        return [r for r in cells if r["batch"] == b]
+
+    stop = next((b for b in batches if max(r["ratio"] for r in at(b)
+                                           if r["config"].startswith("k=")) < 1.0), None)
+    print(f"speculation (best fixed k) stops paying at batch {stop} for {name}"
+          if stop else f"speculation pays at every batch size measured for {name}")
+    for b in batches:
+        auto = next(r for r in at(b) if r["config"] == "auto")
+        best = max((r for r in at(b) if r["config"] != "auto"), key=lambda r: r["ratio"])
+        print(f"  batch {b:2d}: auto {auto['ratio']:.2f}x plain; best fixed {best['config']} "
+              f"{best['ratio']:.2f}x; auto / best {auto['ratio'] / best['ratio']:.2f}")
 
 
 if __name__ == "__main__":
