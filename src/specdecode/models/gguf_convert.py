@@ -4,6 +4,9 @@ Weights are de-quantized exactly (the GGUF's values, in fp32) and written as saf
 Hugging Face names; attn_q / attn_k rows are un-permuted from llama.cpp's RoPE layout back to the
 rotate-half layout. The tokenizer and chat template are read from the GGUF metadata through
 transformers' GGUF tokenizer converter. The caller writes into a temporary folder and renames it.
+
+Gemma 3 GGUFs (no native runner) are de-quantized by transformers' own GGUF loader instead and
+written as a folder that `load_model` runs on the transformers adapter.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from safetensors.torch import save_file
 from specdecode.errors import SpecDecodeError
 
 GGUF_FAMILIES = ("llama", "qwen2")
+ADAPTER_FAMILIES = ("gemma3",)  # converted through transformers' GGUF loader, run on the adapter
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -51,8 +55,8 @@ def hf_config_from_gguf(reader: Any, path: Path) -> dict[str, Any]:
     if arch not in GGUF_FAMILIES:
         raise SpecDecodeError(
             f"{path}: GGUF architecture '{arch}' is not supported "
-            f"(supported: {', '.join(GGUF_FAMILIES)}); convert it to a Hugging Face folder "
-            "and use --backend transformers"
+            f"(supported: {', '.join(GGUF_FAMILIES + ADAPTER_FAMILIES)}); convert it to a "
+            "Hugging Face folder and use --backend transformers"
         )
     names = {t.name for t in reader.tensors}
     heads = int(_field(reader, f"{arch}.attention.head_count"))
@@ -135,10 +139,32 @@ def convert_gguf(path: Path, dest: Path) -> None:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError, struct errors, OSError...
         raise SpecDecodeError(f"{path}: not a readable GGUF file ({exc})") from exc
+    if _field(reader, "general.architecture") in ADAPTER_FAMILIES:
+        _convert_with_transformers(path, dest)
+        return
     config = hf_config_from_gguf(reader, path)
     state = gguf_state_dict(reader, config, path)
     save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    _convert_tokenizer(path, dest)
+
+
+def _convert_with_transformers(path: Path, dest: Path) -> None:
+    """A family without a native runner (Gemma 3): transformers de-quantizes the GGUF, and its
+    weights, config and tokenizer are written as a folder for the transformers adapter."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    except Exception as exc:  # transformers raises ValueError, KeyError, RuntimeError...
+        raise SpecDecodeError(f"{path}: transformers cannot read this GGUF ({exc})") from exc
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(str(dest))
     _convert_tokenizer(path, dest)
 
 
