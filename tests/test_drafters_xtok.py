@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.drafters.xtok import (
+    MAX_TAIL_CHARS,
     DraftText,
     XtokDrafter,
     last_word_start,
@@ -175,6 +176,32 @@ def test_draft_text_is_encoded_in_pieces_as_a_whole(smol_tok: Tokenizer) -> None
         assert smol_tok.decode(dt.ids) == english[:pos]
     assert dt.ids == smol_tok.encode(english)
     assert dt.stable_chars > len(english) - 10  # only the last word is re-encoded
+
+
+def test_a_tail_without_whitespace_is_split_and_stays_exact(smol_tok: Tokenizer) -> None:
+    text = "".join(str(i % 10) + chr(97 + i % 26) for i in range(400))  # 800 characters
+    dt = DraftText(smol_tok, incremental=True)
+    for i in range(0, len(text), 7):
+        dt.extend(text[i : i + 7])
+    assert smol_tok.decode(dt.ids) == text
+    assert dt.stable_chars > 0 and len(text) - dt.stable_chars <= MAX_TAIL_CHARS
+
+
+def test_a_tokenizer_that_prepends_a_space_is_re_encoded_whole(tmp_path: Path) -> None:
+    """Llama-2-style normalizers prepend '▁' to every encoded string, so pieces cut before a
+    space encode differently: the draft side then re-encodes its whole text."""
+    chars = sorted(set("Hello world, it is 12 o'clock.the quick brown fox".replace(" ", "▁")))
+    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    prepending = save_tokenizer(tok, tmp_path, None)
+    assert not splits_at_spaces(prepending)
+    drafter = XtokDrafter(DraftModelDrafter(None), prepending, prepending)
+    assert not drafter.incremental
+    for piece in ("the quick", " brown", " fox"):
+        drafter.draft.extend(piece)
+    assert drafter.draft.ids == prepending.encode("the quick brown fox")
 
 
 def test_boundary_keeps_only_final_target_tokens(smol_tok: Tokenizer) -> None:
