@@ -164,6 +164,15 @@ def test_models_health_and_metrics(tiny_server: tuple[BackgroundServer, Any]) ->
     assert metric(srv, "kv_cache_rows") == 4
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert metric(srv, name) == 0
+    state = tiny_server[1]
+    model = state.served.model
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert params <= metric(srv, "memory_bytes", component="target_weights") <= 2 * params
+    # the int8 drafter holds its own quantized copy: > 0, and smaller than the fp32 target
+    assert 0 < metric(srv, "memory_bytes", component="draft_weights") < params
+    assert metric(srv, "memory_bytes", component="target_kv") == \
+        state.worker.engine.cache.nbytes()
+    assert metric(srv, "memory_bytes", component="peak_rss") > params
 
 
 def test_concurrent_streams_complete_and_equal_sequential(

@@ -13,6 +13,9 @@ Names follow vLLM's (without its "vllm:" prefix), so one scraper or report reads
 - num_requests_running (decoding or prefilling), num_requests_waiting (queued): gauges;
 - kv_cache_usage_perc (tokens held / token capacity of the shared cache, 0..1),
   kv_cache_used_rows, kv_cache_rows: gauges;
+- memory_bytes{component}: target_weights, draft_weights (only what the drafter does not
+  share with the target), target_kv (the shared batch cache, allocated at start), and
+  peak_rss (this process, read at each scrape): gauges;
 - prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
   (stop, length, abort) counters.
 
@@ -32,6 +35,13 @@ from prometheus_client import (
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def _peak_rss_bytes() -> float:
+    from specdecode.bench.inprocess import peak_rss_bytes
+
+    return float(peak_rss_bytes())
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -76,6 +86,9 @@ class ServerMetrics:
                                           registry=r).labels(model_name)
         self._success = Counter("request_success", "Finished requests, by finish reason.",
                                 [*m, "finished_reason"], registry=r)
+        self._memory = Gauge("memory_bytes", "Memory by component (bytes).",
+                             [*m, "component"], registry=r)
+        self._memory.labels(model_name, "peak_rss").set_function(_peak_rss_bytes)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -91,6 +104,12 @@ class ServerMetrics:
         for pos, count in enumerate(accepted_per_pos):
             if count:
                 self._per_pos.labels(self.model_name, str(pos)).inc(count)
+
+    def set_memory(self, target_weights: int, draft_weights: int, target_kv: int) -> None:
+        """The static part of the memory accounting, set once when the server is built."""
+        for component, value in (("target_weights", target_weights),
+                                 ("draft_weights", draft_weights), ("target_kv", target_kv)):
+            self._memory.labels(self.model_name, component).set(value)
 
     def set_engine_state(self, running: int, waiting: int, used_rows: int, rows: int,
                          used_tokens: int, capacity_tokens: int) -> None:

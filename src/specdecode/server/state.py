@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from specdecode.bench.inprocess import drafter_module, weight_bytes
 from specdecode.control import Controller, CostModel, calibrated_costs
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine
@@ -101,9 +103,19 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
         make_drafter=factory, k=k, window=window, created=int(time.time()),
     )
     metrics = ServerMetrics(name)
+    metrics.set_memory(weight_bytes(model), _draft_weight_bytes(factory, model),
+                       engine.cache.nbytes())
     return ServerState(served, EngineWorker(engine, metrics), metrics,
                        options.max_batch + options.max_queue, options.max_body_bytes,
                        options.api_key)
+
+
+def _draft_weight_bytes(factory: Any, model: Any) -> int:
+    """Bytes of the drafter's own weights (none for a drafter without a model)."""
+    if factory is None:
+        return 0
+    module = drafter_module(factory())
+    return 0 if module is None else weight_bytes(module, shared=model)
 
 
 def _calibration_batches(max_batch: int) -> list[int]:
