@@ -17,7 +17,7 @@ import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -202,6 +202,28 @@ def test_a_tokenizer_that_prepends_a_space_is_re_encoded_whole(tmp_path: Path) -
     for piece in ("the quick", " brown", " fox"):
         drafter.draft.extend(piece)
     assert drafter.draft.ids == prepending.encode("the quick brown fox")
+
+
+class ShoutingTokenizer:
+    """Characters a..z as ids 0..25, whose decode upper-cases the text once it is longer than 5
+    characters: a decoder that is not prefix-stable (tests only)."""
+
+    eos_ids: tuple[int, ...] = ()
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 97 for c in text.lower() if c.isalpha()]
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        text = "".join(chr(97 + i) for i in ids)
+        return text.upper() if len(text) > 5 else text
+
+
+def test_a_decoder_that_rewrites_earlier_text_restarts_the_draft_text() -> None:
+    tok = cast(Tokenizer, ShoutingTokenizer())
+    drafter = XtokDrafter(DraftModelDrafter(None), tok, tok, incremental=True)
+    for n in (3, 4, 8):
+        assert drafter._sync(list(range(n)))
+        assert drafter.draft.text == tok.decode(list(range(n)))
 
 
 def test_boundary_keeps_only_final_target_tokens(smol_tok: Tokenizer) -> None:

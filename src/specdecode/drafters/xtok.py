@@ -168,7 +168,11 @@ class XtokDrafter:
             return True
         new_text = text_increment(self.target_tok, ctx, self.decoded)
         if new_text is None:
-            return False
+            full = self.target_tok.decode(ctx)
+            if full.endswith("\ufffd"):
+                return False
+            # earlier text changed (a decoder that is not prefix-stable): start again from it
+            self.draft, new_text = DraftText(self.draft_tok, self.incremental), full
         self.draft.extend(new_text)
         self.decoded = len(ctx)
         return True
