@@ -1,0 +1,166 @@
+"""Benchmark (not a test): every drafter on every workload category, at batch 1, greedy and
+temperature 0.7, against plain decoding measured interleaved over the same prompts.
+
+Per drafter x category: alpha (E[sum min(p, q)], or p(x) for deterministic drafts), accepted /
+drafted, mean acceptance length (bonus included), c (drafting time per draft token over the
+target's time per plain step, both measured in this run; a draft model's own prefill of the
+prompt counts as drafting time), and tokens/s of whole requests (prefill included) as a ratio to
+plain decoding of the same prompts (median over prompts, min-max). The training cost of each trained
+drafter is read from its model card.
+
+Workloads: the built-in prompts by category, and any Spec-Bench-format file
+(../shared/data/specbench/question.jsonl by default), a few prompts per category.
+
+    python benchmarks/drafters.py [--drafters ngram:4,layerskip:3,int8:3,heads:4,distilled:4]
+        [--per-category 2] [--max-tokens 64] [--temperatures 0,0.7] [--threads 2]
+        [--specbench FILE] [--categories summarization,rag,coding,...] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.bench.workloads import Prompt, load_default_workload, load_workload
+from specdecode.costs import hardware
+from specdecode.drafters.registry import drafter_factory
+from specdecode.engine import Generation
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import load_model
+from specdecode.sampling import SamplingParams
+
+SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"
+CARDS = Path(__file__).resolve().parents[1] / "src/specdecode/data"
+
+
+def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k: int
+            ) -> tuple[float, Any]:
+    gen = Generation(loaded.model, None, ids, params, drafter, k, loaded.tokenizer.eos_ids)
+    start = time.perf_counter()  # prefill included on both sides: the request as users see it
+    gen.prefill()
+    for _ in gen.run():
+        pass
+    gen.release()
+    return len(gen.output) / (time.perf_counter() - start), gen.counters
+
+
+def training_cost(name: str) -> str:
+    for card in CARDS.glob(f"{name}/*/card.json"):
+        data = json.loads(card.read_text())
+        seconds = data.get("train_seconds") or data.get("seconds") or data.get("time_s")
+        steps = data.get("steps")
+        return f"{name}: trained {steps} steps in {seconds} s ({card.parent.name}, {card})"
+    return f"{name}: no training"
+
+
+def prompts_by_category(args: argparse.Namespace) -> dict[str, list[Prompt]]:
+    groups: dict[str, list[Prompt]] = {}
+    sources = [load_default_workload(None).prompts]
+    if args.specbench and Path(args.specbench).exists():
+        cats = args.categories.split(",") if args.categories else None
+        sources.append(load_workload(args.specbench, categories=cats,
+                                     limit_per_category=args.per_category).prompts)
+    for source, prefix in zip(sources, ("built-in", "spec-bench"), strict=False):
+        for p in source:
+            if p.temperature is not None and p.temperature > 0:
+                continue  # the built-in high-temperature prompts: temperatures set here
+            group = groups.setdefault(f"{prefix}/{p.category}", [])
+            if len(group) < args.per_category:
+                group.append(p)
+    return groups
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafters", default="ngram:4,layerskip:3,int8:3,heads:4,distilled:4")
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--specbench", default=str(SPECBENCH))
+    ap.add_argument("--categories", default="summarization,rag,coding,qa,translation,writing")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model()
+    tok = loaded.tokenizer
+    factories: dict[str, tuple[Any, int]] = {}
+    for item in args.drafters.split(","):
+        name, k = item.split(":")
+        try:
+            factories[name] = (drafter_factory(name, loaded.model, None, 4096, tokenizer=tok),
+                               int(k))
+        except SpecDecodeError as exc:
+            print(f"# {name}: skipped ({exc})")
+    groups = prompts_by_category(args)
+    hw = hardware()
+    print(f"# SmolLM2-135M-Instruct fp32 target, batch 1, {args.max_tokens} new tokens, "
+          f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
+          f"{hw.get('load_avg_1m')}; {args.per_category} prompts per category; plain and every "
+          "drafter interleaved per prompt, after a warm-up")
+    for name in factories:
+        print(f"# training cost: {training_cost(name)}")
+    results: list[dict[str, Any]] = []
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        print(f"\n## temperature {temperature}")
+        print(f"{'category':<28}{'drafter':<11}{'k':>2}{'alpha':>7}{'acc/dr':>7}{'len':>6}"
+              f"{'c':>6}{'x plain (min-max)':>20}")
+        for category, prompts in groups.items():
+            rates: dict[str, list[float]] = {"plain": []}
+            counters: dict[str, list[Any]] = {}
+            plain_step: list[float] = []
+            for i, p in enumerate(prompts):
+                ids = tok.encode(tok.apply_chat_template([{"role": "user",
+                                                           "content": p.turns[0]}]))
+                params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                        seed=i)
+                if not results and i == 0:
+                    run_one(loaded, ids, params, None, 0)  # warm-up
+                rate, c0 = run_one(loaded, ids, params, None, 0)
+                rates["plain"].append(rate)
+                plain_step.append(c0.target_ns / max(1, c0.steps))
+                for name, (factory, k) in factories.items():
+                    rate, c = run_one(loaded, ids, params, factory(), k)
+                    rates.setdefault(name, []).append(rate)
+                    counters.setdefault(name, []).append(c)
+            step_ns = statistics.median(plain_step)
+            for name, (_, k) in factories.items():
+                cs = counters[name]
+                drafted = sum(c.drafted for c in cs)
+                accepted = sum(c.accepted for c in cs)
+                steps = sum(c.steps for c in cs)
+                positions = sum(c.alpha_positions for c in cs)
+                alpha = sum(c.alpha_micro for c in cs) / 1e6 / positions if positions else 0.0
+                cost = sum(c.draft_ns for c in cs) / max(1, drafted) / step_ns
+                ratios = [s / b for s, b in zip(rates[name], rates["plain"], strict=True)]
+                row = {"temperature": temperature, "category": category, "drafter": name,
+                       "k": k, "alpha": alpha, "accepted_per_drafted": accepted / max(1, drafted),
+                       "mean_acceptance_length": (accepted + steps) / max(1, steps), "c": cost,
+                       "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                       "ratio_max": max(ratios)}
+                results.append(row)
+                print(f"{category:<28}{name:<11}{k:>2}{alpha:>7.2f}"
+                      f"{row['accepted_per_drafted']:>7.2f}{row['mean_acceptance_length']:>6.2f}"
+                      f"{cost:>6.2f}{row['ratio']:>8.2f} ({row['ratio_min']:.2f}-"
+                      f"{row['ratio_max']:.2f})", flush=True)
+        best: dict[str, tuple[float, str]] = {}
+        for r in results:
+            if r["temperature"] == temperature and r["ratio"] > best.get(r["category"],
+                                                                           (0.0, ""))[0]:
+                best[r["category"]] = (r["ratio"], r["drafter"])
+        for category, (ratio, name) in best.items():
+            verdict = "wins" if ratio > 1.0 else "every drafter loses"
+            print(f"  best on {category}: {name} {ratio:.2f}x plain ({verdict})")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"hardware": hw, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
