@@ -432,7 +432,7 @@ class InProcessRunner:
         params = SamplingParams(temperature=effective_temperature(prompt, config),
                                 seed=request_seed(prompt, turn, self.seed),
                                 max_tokens=self.max_tokens(prompt))
-        ids = tok.encode(text)
+        ids = tok.encode_prompt(text)
         k = config_k(config)
         if k and len(ids) + params.max_tokens + k + 1 > self.capacity:
             raise SpecDecodeError(

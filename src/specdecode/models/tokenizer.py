@@ -41,6 +41,16 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """`text` as the first tokens of a sequence: with the special tokens the tokenizer's own
+        post-processor adds (e.g. Gemma's <bos>; none for SmolLM2), never doubling a BOS that
+        the text already starts with (chat templates render one)."""
+        ids = list(self._tok.encode(text, add_special_tokens=True).ids)
+        bos = self.token_id(self.bos_token)
+        if bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
+        return ids
+
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special))
 

@@ -95,7 +95,7 @@ def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
                            "prompt", "unsupported_value")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return served.tokenizer.encode(prompt)
+        return served.tokenizer.encode_prompt(prompt)
     ids = [int(t) for t in prompt if isinstance(t, int)]
     if any(t >= served.vocab_size for t in ids):
         raise APIError(400, f"prompt token ids must be below the vocabulary size "
@@ -112,7 +112,7 @@ def chat_prompt(req: ChatCompletionRequest, served: ServedModel) -> list[int]:
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _text(m.content)} for m in req.messages]
     try:
-        return tok.encode(tok.apply_chat_template(messages))
+        return tok.encode_prompt(tok.apply_chat_template(messages))
     except (SpecDecodeError, TemplateError, TypeError, ValueError) as exc:
         raise APIError(400, f"the chat template refused these messages: {exc}",
                        "messages", "invalid_value") from exc
