@@ -458,3 +458,9 @@ def test_position_estimates_exact_for_fixed_k_and_refuse_pollution() -> None:
     assert batch_counters(delta, [4]) is None  # more generated than this batch received
     assert batch_counters(SpecCounters(2, 6, 9, None, None), [8]) is None
     assert batch_counters(None, [8]) is None
+    # a step that accepted EOS and tokens after it: none of them streamed (finish "stop")
+    eos = SpecCounters(drafts=2, draft_tokens=8, accepted=6, per_pos=(2, 2, 1, 1),
+                       generation_tokens=4)
+    assert batch_counters(eos, [4]) is None  # without the stop, more accepted than received
+    counters = batch_counters(eos, [4], stopped=1)
+    assert counters is not None and counters.accepted == 6 and counters.steps == 2

@@ -16,7 +16,9 @@ Attribution (`batch_counters`): the runner reads the counters before and after e
 turn of up to `batch_size` concurrent requests); the difference is the batch's. Another client's
 traffic during the batch would pollute it: the difference is refused (acceptance unknown for that
 batch) when it is more than the batch could have produced (more generated tokens than the batch
-received, or more accepted tokens than its requests' tokens after the first), but smaller
+received, or more accepted tokens than its requests' tokens after the first plus, for each
+request that stopped at an end-of-sequence token, a full draft: a step that accepts EOS counts
+the draft tokens accepted with it, though none of them reaches the client), but smaller
 pollution cannot be detected. From the difference, as the `records` schema wants them:
 
 - accepted_per_pos: the per-position counters; when the server exports none, the accepted tokens
@@ -28,7 +30,9 @@ pollution cannot be detected. From the difference, as the `records` schema wants
   accepted their whole draft, sum_i (steps of length i + 1) * accepted_per_pos[i] /
   drafted_per_pos[i]. Exact for a fixed k;
 - steps (target passes after prefill): tokens after the first, summed over the batch's requests,
-  minus accepted tokens (each step emits its accepted tokens plus one).
+  plus one per request that stopped (its EOS, not streamed), minus accepted tokens (each step
+  emits its accepted tokens plus one); at least the draft steps. An estimate when a step accepted
+  tokens after an EOS.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+MAX_DRAFT = 64  # the most draft tokens one step may propose (the CLI's limit on k)
 DRAFTS = "spec_decode_num_drafts"
 DRAFT_TOKENS = "spec_decode_num_draft_tokens"
 ACCEPTED = "spec_decode_num_accepted_tokens"
@@ -200,16 +205,18 @@ def estimated_rejections(drafted_per_pos: Sequence[int], accepted_per_pos: Seque
     return min(drafts, max(0, drafts - round(full)))
 
 
-def batch_counters(delta: SpecCounters | None, output_tokens: Sequence[int]
+def batch_counters(delta: SpecCounters | None, output_tokens: Sequence[int], stopped: int = 0
                    ) -> BatchCounters | None:
-    """The counters of a batch whose requests received `output_tokens`, or None (unknown) when
-    `delta` is unknown or more than the batch could have produced (other traffic)."""
+    """The counters of a batch whose requests received `output_tokens` (`stopped` of them ended
+    with finish_reason "stop"), or None (unknown) when `delta` is unknown, inconsistent or more
+    than the batch could have produced (other traffic)."""
     if delta is None:
         return None
     after_first = sum(max(n - 1, 0) for n in output_tokens)
-    if delta.generation_tokens is not None and delta.generation_tokens > sum(output_tokens):
+    if delta.generation_tokens is not None and \
+            delta.generation_tokens > sum(output_tokens) + stopped:
         return None
-    if delta.accepted > after_first or delta.accepted > delta.draft_tokens:
+    if delta.accepted > after_first + stopped * MAX_DRAFT or delta.accepted > delta.draft_tokens:
         return None
     per_pos = list(delta.per_pos) if delta.per_pos is not None else []
     while per_pos and per_pos[-1] == 0:
@@ -222,8 +229,6 @@ def batch_counters(delta: SpecCounters | None, output_tokens: Sequence[int]
     app = per_pos if delta.per_pos is not None else front_loaded(delta.accepted, dpp)
     if len(app) > len(dpp) or any(a > d for a, d in zip(app, dpp, strict=False)):
         return None
-    steps = after_first - delta.accepted
-    if steps < delta.drafts:
-        return None
+    steps = max(after_first + stopped - delta.accepted, delta.drafts)
     return BatchCounters(delta.draft_tokens, delta.accepted, dpp, app,
                          estimated_rejections(dpp, app), steps)

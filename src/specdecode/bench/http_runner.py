@@ -612,8 +612,9 @@ class HttpRunner:
         after = self._counters(endpoint)
         samples = [make_sample(config, r, s) for r, s in zip(requests, streams, strict=True)]
         if not any(s.failed for s in samples):  # a failed request's work is in the delta too
+            stopped = sum(s.finish_reason == "stop" for s in streams)
             with_counters(samples, batch_counters(counter_delta(before, after),
-                                                  [s.output_tokens for s in samples]))
+                                                  [s.output_tokens for s in samples], stopped))
         return samples
 
     # ------------------------------------------------------- protocol: what HTTP cannot see
