@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
+import torch
 
 from specdecode.control import AlphaEstimate, Controller, CostModel, expected_tokens
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -151,11 +153,31 @@ def test_controller_turns_speculation_on_where_it_pays_and_off_where_it_does_not
 def test_controller_probes_and_comes_back_on() -> None:
     ctl = _controller(0.005, flat=True)
     alpha = AlphaEstimate(0.05)
-    picks = [ctl.choose([alpha])[0] for _ in range(8)]
-    assert picks == [0, 0, 0, 1, 0, 0, 0, 1]  # a probe every 4 steps
+    picks = [ctl.choose([alpha])[0] for _ in range(28)]
+    # a probe after 4 steps; each probe that leaves speculation off doubles the interval
+    assert [i for i, k in enumerate(picks) if k] == [3, 11, 27]
+    assert set(picks) == {0, 1}
     alpha.observe([1.0] * 30)  # the probes start being accepted: alpha recovers
     assert ctl.choose([alpha])[0] > 1
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_no_probes_where_no_acceptance_could_pay() -> None:
+    steep = _controller(0.005, flat=False)
+    hopeful = [AlphaEstimate(0.9) for _ in range(32)]
+    assert all(steep.choose(hopeful) == [0] * 32 for _ in range(64))
+
+
+def test_new_requests_start_from_their_categorys_running_alpha() -> None:
+    ctl = _controller(0.005, flat=True)
+    assert ctl.new_estimate("chat").value == pytest.approx(0.6)  # nothing seen: the prior
+    for _ in range(200):
+        ctl.observe("chat", [0.0])  # every draft token of this category is rejected
+        ctl.observe("code", [1.0])
+    # a fresh request starts off where its kind of traffic has been, not at the prior
+    assert ctl.choose([ctl.new_estimate("chat")]) == [0]
+    assert ctl.choose([ctl.new_estimate("code")]) == [4]
+    assert ctl.new_estimate("other").value == pytest.approx(0.6)
 
 
 def test_batch_engine_with_controller_stays_lossless(smollm: LoadedModel) -> None:
@@ -172,3 +194,32 @@ def test_batch_engine_with_controller_stays_lossless(smollm: LoadedModel) -> Non
     for gen, x in zip(gens, ids, strict=True):
         assert gen.output == _solo(smollm, x, params)
     assert ctl.costs.draft_token_s is not None and ctl.costs.target_s
+    assert ctl.categories[""].value != pytest.approx(0.6)  # the engine fed the category
+
+
+class SlowCatchUp(DraftModelDrafter):
+    """A draft model whose catching up with the context takes 0.2 s more (and says so)."""
+
+    def _sync(self, context: list[int]) -> Any:
+        logits = super()._sync(context)
+        if self.catch_up_ns:
+            time.sleep(0.2)
+            self.catch_up_ns += 200_000_000
+        return logits
+
+
+def test_draft_catch_up_is_not_counted_as_a_cost_per_draft_token(
+        models: Any,  # noqa: F811  (fixture)
+) -> None:
+    target, draft, _ = models
+    plain = DraftModelDrafter(draft)
+    plain.propose(torch.tensor(PROMPT), 1, PARAMS, len(PROMPT), None)
+    assert plain.catch_up_ns > 0  # the first proposal feeds the whole prompt
+    plain.propose(torch.tensor([*PROMPT, 3]), 1, PARAMS, len(PROMPT), None)
+    assert plain.catch_up_ns == 0  # then only the pending token: an ordinary draft step
+    ctl = Controller(kmax=2, costs=CostModel(), probe_every=1000)
+    engine = BatchEngine(target, 2, 64, controller=ctl)
+    params = SamplingParams(max_tokens=6)
+    gens = [Generation(target, None, PROMPT, params, SlowCatchUp(draft), 2) for _ in range(2)]
+    run_batch(engine, gens)
+    assert ctl.costs.draft_token_s is not None and ctl.costs.draft_token_s < 0.01

@@ -3,7 +3,9 @@
 It maximises the expected tokens per second of the whole batch from three measured inputs:
 
 - alpha_i: a running estimate per request of the probability that one draft token is accepted
-  (exponentially weighted over its verified draft positions, seeded by a per-category prior);
+  (exponentially weighted over its verified draft positions), seeded by the running alpha of
+  its category (every request's verified positions also update its category's estimate, more
+  slowly), so a short request starts from what its kind of traffic has shown, not a guess;
 - draft cost: seconds to draft one token (a running average of measured drafting time);
 - target cost t(B, T): seconds of one target forward over B rows of T positions, from a table
   measured before serving (costs.forward_costs) and refreshed by every measured step.
@@ -16,7 +18,13 @@ plain decoding, chosen whenever nothing else is expected to pay: at low alpha, o
 is large enough that scoring more positions is no longer nearly free. A request whose speculation
 is off drafts one token every `probe_every` steps (all such requests in the same step, so a
 probe widens one batch step, not many) so its alpha keeps being measured and speculation comes
-back when it pays again.
+back when it pays again. Probes cost something (a wider step, and a draft model catching up
+with the tokens committed meanwhile), so they back off: each probe after which speculation
+stays off doubles the interval (up to `max_probe_every`), and none is made while even a draft
+accepted with probability `PROBE_ALPHA` could not pay at this batch size. The drafting cost
+counts draft steps only: a draft model's catching up with the context (its prompt, or the
+tokens committed while it was off) is a one-off cost of turning speculation on, not a cost per
+token, and is left out of `draft_token_s`.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_PRIOR = 0.6
+PROBE_ALPHA = 0.95  # the acceptance a probe hopes to find; if even it cannot pay, no probe
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -91,9 +100,30 @@ class Controller:
     probe_every: int = 16
     priors: dict[str, float] = field(default_factory=dict)
     steps: int = 0
+    max_probe_every: int = 256
+    _interval: int = 0  # current probe interval (backs off from probe_every)
+    _since_probe: int = 0
+    _probed: bool = False  # the last step was a probe
+
+    categories: dict[str, AlphaEstimate] = field(default_factory=dict)
+    category_weight: float = 0.02
 
     def new_estimate(self, category: str | None = None) -> AlphaEstimate:
+        """A request's starting estimate: its category's running alpha, else the prior."""
+        seen = self.categories.get(category or "")
+        if seen is not None:
+            return AlphaEstimate(seen.value)
         return AlphaEstimate(self.priors.get(category or "", DEFAULT_PRIOR))
+
+    def observe(self, category: str | None, samples: list[float]) -> None:
+        """A request's verified alpha samples, pooled into its category's running estimate."""
+        if not samples:
+            return
+        key = category or ""
+        if key not in self.categories:
+            self.categories[key] = AlphaEstimate(self.priors.get(key, DEFAULT_PRIOR),
+                                                 self.category_weight)
+        self.categories[key].observe(samples)
 
     def choose(self, alphas: list[AlphaEstimate]) -> list[int]:
         """Draft length per request for the next step (0 = off)."""
@@ -104,18 +134,35 @@ class Controller:
             return [0] * batch
         if draft_s is None:  # nothing measured yet: draft once to learn the drafting cost
             return [1] * batch
+        best = self._best([a.value for a in alphas], draft_s)
+        self._interval = self._interval or self.probe_every
+        if self._probed and not any(best):  # the last probe did not turn speculation on
+            self._interval = min(2 * self._interval, self.max_probe_every)
+        elif any(best):
+            self._interval = self.probe_every
+        self._probed = False
+        if all(best):
+            return best
+        self._since_probe += 1
+        if self._since_probe >= self._interval and any(self._best([PROBE_ALPHA] * batch,
+                                                                  draft_s)):
+            self._since_probe, self._probed = 0, True  # all requests that are off probe
+            return [max(k, 1) for k in best]  # together, so a probe widens one step, not many
+        return best
+
+    def _best(self, alphas: list[float], draft_s: float) -> list[int]:
+        """The k per request maximising the batch's expected tokens per second."""
+        batch = len(alphas)
         best_rate = batch / self.costs.target(batch, 1)
         best = [0] * batch
         for width_k in range(1, self.kmax + 1):
-            ks = [_best_k(a.value, width_k, best_rate * draft_s) for a in alphas]
+            ks = [_best_k(a, width_k, best_rate * draft_s) for a in alphas]
             if max(ks) == 0:
                 continue
-            emitted = sum(expected_tokens(a.value, k) for a, k in zip(alphas, ks, strict=True))
+            emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
             rate = emitted / (draft_s * sum(ks) + self.costs.target(batch, max(ks) + 1))
             if rate > best_rate:
                 best_rate, best = rate, ks
-        if self.steps % self.probe_every == 0:  # all requests that are off probe together,
-            return [max(k, 1) for k in best]  # so a probe widens one step, not many
         return best
 
 

@@ -104,6 +104,7 @@ class Generation:
         self._prefilled = 0  # prompt tokens (all but the last) already in the cache
         self.wants_hidden = wants_hidden(drafter)  # the drafter observes the target's features
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
+        self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
 
     @property
     def prefilled(self) -> bool:
@@ -163,6 +164,7 @@ class Generation:
         return torch.cat([torch.tensor(self.context[-1:]), draft.tokens])  # (k+1,)
 
     def propose(self) -> Draft:
+        self.catch_up_ns = 0  # a drafter's one-off catching up with the context, this step
         room = self.params.max_tokens - len(self.output) - 1
         k = min(self.next_k, room)
         if self.drafter is None or k <= 0:
@@ -170,6 +172,7 @@ class Generation:
         ctx = torch.tensor(self.context)
         with torch.inference_mode():
             draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
+        self.catch_up_ns = int(getattr(self.drafter, "catch_up_ns", 0))
         return Draft(draft.tokens[:k].to(torch.long), None if draft.q is None else draft.q[:k])
 
     def finish_step(self, logits: torch.Tensor, draft: Draft,
@@ -310,6 +313,8 @@ class BatchEngine:
             out = gen.finish_step(logits[i, :rows], draft, features)
             if id(gen) in self.alphas:
                 self.alphas[id(gen)].observe(gen.last_alphas)
+                assert self.controller is not None  # estimates exist only under a controller
+                self.controller.observe(gen.category, gen.last_alphas)
             outputs.append((gen, out))
         for gen, out in outputs:
             if out.finish_reason is not None:
@@ -376,7 +381,9 @@ class BatchEngine:
             gen.counters.draft_ns += time.perf_counter_ns() - t0
         drafted = sum(len(d.tokens) for d in drafts)
         if self.controller is not None and drafted:
-            self.controller.costs.observe_draft(drafted, (time.perf_counter_ns() - start) / 1e9)
+            catch_up = sum(g.catch_up_ns for g in self.active)
+            self.controller.costs.observe_draft(
+                drafted, (time.perf_counter_ns() - start - catch_up) / 1e9)
         return drafts
 
     def _score(self, drafts: list[Draft]) -> tuple[torch.Tensor, torch.Tensor | None]:

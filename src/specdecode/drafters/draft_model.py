@@ -5,6 +5,7 @@ each from q computed by the same sampling pipeline as the target's p."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ class DraftModelDrafter:
         self.capacity = capacity
         self.cache: Any = None
         self.fed: list[int] = []  # tokens whose KV the draft cache holds, in order
+        self.catch_up_ns = 0  # time the last propose spent catching up (see _sync)
 
     def reset(self) -> None:
         self.cache, self.fed = None, []
@@ -65,7 +67,13 @@ class DraftModelDrafter:
             self.fed = []
 
     def _sync(self, context: list[int]) -> torch.Tensor:
-        """Roll back to the common prefix with `context`, feed the rest; logits of the last one."""
+        """Roll back to the common prefix with `context`, feed the rest; logits of the last one.
+
+        The time spent feeding more than the one pending token (the prompt, or the tokens
+        committed while speculation was off) is kept in `catch_up_ns`: it is a one-off cost of
+        (re)starting, not a cost per draft token, and the controller keeps the two apart.
+        """
+        start = time.perf_counter_ns()
         self._reserve(len(context) + 1)
         n = 0
         limit = min(len(self.fed), len(context) - 1)  # always feed at least one token
@@ -73,7 +81,9 @@ class DraftModelDrafter:
             n += 1
         self.cache.rollback(0, n)
         self.fed = context[:n]
-        return self._feed(context[n:])
+        logits = self._feed(context[n:])
+        self.catch_up_ns = time.perf_counter_ns() - start if len(context) - n > 2 else 0
+        return logits
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         logits = self.model(torch.tensor([tokens]), self.cache, logits_for="last")
