@@ -251,8 +251,10 @@ def test_shipped_draft_keeps_smollm_greedy_output_for_every_k(smollm: LoadedMode
     plain = generate(smollm, prompt, 32, None, 0).output
     factory = drafter_factory("distilled", smollm.model)
     assert factory is not None
+    accepted = 0
     for k in range(1, 9):
         max_tokens = 32 if k == 3 else 8
         gen = generate(smollm, prompt, max_tokens, factory(), k)
         assert gen.output == plain[:max_tokens], f"k={k}"
-    assert gen.counters.accepted > 0
+        accepted += gen.counters.accepted
+    assert accepted > 0

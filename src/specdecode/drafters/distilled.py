@@ -1,16 +1,17 @@
 """A distilled draft model: a few decoder blocks trained to match the target (DistillSpec).
 
 The draft is a small model of the target's own family and width. Its blocks start as copies of
-evenly spaced blocks of the target (`evenly_spaced`) and are then trained with `specdecode train
-draft` (specdecode.train.distill) to match the target's next-token distributions. It shares the
-target's token embedding and, as SmolLM2 ties them, its LM head; so the shipped files hold only
+evenly spaced blocks of the target (`evenly_spaced`: first and last included) and are then
+trained with `specdecode train draft` (specdecode.train.distill) to match the target's
+next-token distributions. It shares the target's token embedding and LM head (tied in SmolLM2),
+taken from the target at load time; so the shipped files hold only
 the draft's own blocks and final norm (`draft.safetensors`, bf16), `config.json` (which blocks,
-which vocabulary) and a model card (specdecode.train.checkpoint). At load time the embedding comes
-from the target, which must therefore be the target the draft was trained for: the sha256 of its
-weights, recorded in the card, is checked (`load_distilled`).
+which vocabulary) and a model card (specdecode.train.checkpoint). The target must therefore be
+the one the draft was trained for: the sha256 of its weights, recorded in the card, is checked
+(`load_distilled`).
 
-Reduced vocabulary: the LM head may score only a subset of the tokens (`SubsetHead`, the tokens
-the target emits most often on the training corpus). The draft's logits are -inf elsewhere, so q
+Reduced vocabulary: the LM head may score only a subset of the tokens (`SubsetHead`; training
+picks the lowest ids, see train.distill.vocab_ids). The draft's logits are -inf elsewhere, so q
 is zero there: verification stays lossless (a draft token always has q > 0, and the residual
 max(0, p - q) simply keeps p's mass outside the subset), and drafting skips most of the head's
 matrix product, which on SmolLM2 is about two thirds of a 2-block draft's forward pass.

@@ -13,7 +13,7 @@ from typing import Any
 from specdecode.drafters.base import Drafter
 from specdecode.errors import SpecDecodeError
 
-DRAFTERS = ("none", "draft-model", "int8", "ngram", "layerskip", "heads", "xtok")
+DRAFTERS = ("none", "draft-model", "int8", "ngram", "layerskip", "heads", "distilled", "xtok")
 
 DrafterFactory = Callable[[], Drafter]
 
@@ -29,6 +29,7 @@ def drafter_factory(
     layers: Sequence[int] | None = None,
     tokenizer: Any | None = None,
     heads: str | None = None,
+    distilled: str | None = None,
 ) -> DrafterFactory | None:
     """A maker of per-request drafters for `target` (a runner); None for 'none'.
 
@@ -36,6 +37,8 @@ def drafter_factory(
     (`layers`), else the calibrated default for this model, cached, or calibrated now with
     `tokenizer` (once per model; see drafters.layerskip). heads: the folder of trained heads
     (default: the weights shipped for the default target; refused if made for another target).
+    distilled: the folder of a distilled draft (default: the one shipped for the default target;
+    refused if made for another target).
     """
     from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
     from specdecode.models.precision import quantize_int8
@@ -71,6 +74,13 @@ def drafter_factory(
             raise SpecDecodeError("the heads drafter needs a target on the native runner")
         model = load_heads(target, Path(heads).expanduser() if heads else default_heads_dir())
         return lambda: HeadsDrafter(model, capacity)
+    if name == "distilled":
+        from pathlib import Path
+
+        from specdecode.drafters.distilled import DEFAULT_DIR, load_distilled
+
+        draft = load_distilled(Path(distilled).expanduser() if distilled else DEFAULT_DIR, target)
+        return lambda: DraftModelDrafter(draft, "distilled", capacity)
     if name == "int8":
         if getattr(target, "backend", "") != "native":
             raise SpecDecodeError("the int8 drafter needs a target on the native runner")

@@ -48,23 +48,27 @@ DEFAULT_OUT = "runs/distilled"
 LOSSES = ("fkl", "tvd")
 
 
+# Defaults measured on SmolLM2-135M (2 blocks, 12 steps of 4 x 256 tokens, held-out KL): blocks
+# (0, 29) start worse than (0, 1) (KL 61 vs 14) but learn faster (4.97 vs 8.46 at lr 5e-4);
+# lr 3e-3 reached 4.18, 1.5e-3 4.36, 5e-4 4.97. 120 steps take 22 minutes on one thread of a
+# shared 2-core machine (the target's forward pass is two thirds of a step).
 @dataclass(frozen=True)
 class DistillConfig:
     layers: int = 2  # draft blocks
-    init: str = "first"  # which target blocks they start from: "first" or "spaced"
+    init: str = "spaced"  # which target blocks they start from: "spaced" or "first"
     vocab: int = 12288  # tokens the draft's head scores (the lowest ids); 0 = all
     loss: str = "fkl"
-    steps: int = 300
+    steps: int = 120
     batch: int = 4
     seq_len: int = 256
-    lr: float = 5e-4
+    lr: float = 2e-3
     warmup: int = 10
     min_lr_ratio: float = 0.1
     clip: float = 1.0
     seed: int = 0
     corpus_tokens: int = 400_000  # training tokens read from the corpus (at most)
     eval_tokens: int = 2048  # held-out positions scored by `evaluate`
-    eval_every: int = 100
+    eval_every: int = 25
     checkpoint_every: int = 25
 
     def check(self) -> None:
@@ -348,8 +352,8 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=d.layers,
                    help=f"draft blocks (default {d.layers})")
     p.add_argument("--init", default=d.init,
-                   help="first | spaced: start from the target's first blocks or evenly spaced "
-                        f"ones (default {d.init})")
+                   help="spaced | first: start from evenly spaced blocks of the target (first and "
+                        f"last included) or its first blocks (default {d.init})")
     p.add_argument("--vocab", type=int, default=d.vocab,
                    help="tokens the draft's head scores, the lowest ids; 0 = all "
                         f"(default {d.vocab})")
