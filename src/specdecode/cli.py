@@ -40,6 +40,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
                         "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
+    p.add_argument("--distilled", default=None,
+                   help="distilled draft folder for --drafter distilled (default: the shipped one)")
     p.add_argument("--heads", default=None,
                    help="trained heads folder for --drafter heads (default: the shipped ones)")
     p.add_argument("--k", default="auto",
@@ -106,7 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     factory = drafter_factory(args.drafter, loaded.model, args.draft_model, tokenizer=tok,
-                              heads=args.heads)
+                              heads=args.heads, distilled=args.distilled)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode(text), params,
                      factory() if factory else None, args.k, eos)
@@ -151,7 +153,8 @@ def _audit_drafter(args: argparse.Namespace, loaded: Any) -> Any:
     from specdecode.drafters.registry import drafter_factory
 
     factory = drafter_factory(args.drafter, loaded.model, args.draft_model,
-                              tokenizer=loaded.tokenizer, heads=args.heads)
+                              tokenizer=loaded.tokenizer, heads=args.heads,
+                              distilled=args.distilled)
     if factory is None:
         raise SpecDecodeError("the audit needs a drafter (--drafter int8, ngram, ...)")
     if args.inject_fault is None:
