@@ -82,6 +82,12 @@ def test_a_short_run_lowers_the_heldout_divergence(target: Any, corpus: Path, tm
         run(target, corpus, tmp_path)
 
 
+def test_the_tvd_loss_raises_alpha_too(target: Any, corpus: Path, tmp_path: Path) -> None:
+    card = run(target, corpus, tmp_path, replace(CFG, loss="tvd", vocab=0))
+    assert card["heldout_alpha"] > card["heldout_alpha_before"] + 0.05
+    assert card["loss"] == "tvd" and card["vocab_size"] is None
+
+
 def test_resumed_run_equals_an_uninterrupted_one(
     target: Any, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
