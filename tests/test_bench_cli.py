@@ -94,6 +94,8 @@ def test_strict_refuses_a_malformed_line_naming_it(tmp_path: Path) -> None:
     ([GOOD], ["--audit-samples", "-1"], ["--audit-samples must be >= 0"]),
     ([GOOD], ["--configs", "ngram:k=auto,kmax=99"], ["kmax must be an integer in 1..64"]),
     ([GOOD], ["--max-tokens", "0"], ["--max-tokens must be >= 1"]),
+    ([GOOD], ["--precision", "int8", "--configs", "plain;ngram:k=2"],
+     ["needs a batch-invariant target"]),
 ])
 def test_bad_input_is_one_line_before_the_model_loads(
     tmp_path: Path, lines: list[str], extra: list[str], needles: list[str]

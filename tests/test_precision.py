@@ -170,3 +170,28 @@ def test_cost_curves_run_at_every_precision(
                  "hardware": hardware(), "context": 16, "curves": curves[:1], "peer": peer})
     out = capsys.readouterr().out
     assert "v(k)" in out and "ratio native/transformers 0.80" in out
+
+
+def _scored(model: torch.nn.Module, ids: list[int], extra: list[int]) -> torch.Tensor:
+    """Logits of the last of `ids`, scored alone or together with `extra` positions after it."""
+    cache = model.new_cache(1, 64)
+    with torch.inference_mode():
+        model(torch.tensor([ids[:-1]]), cache, logits_for="none")
+        return model(torch.tensor([[ids[-1], *extra]]), cache)[0, 0]
+
+
+def test_int8_target_is_not_batch_invariant_so_speculation_on_it_is_refused(
+        tiny: torch.nn.Module) -> None:
+    from specdecode.drafters.registry import drafter_factory
+
+    ids, extra = IDS[0, :6].tolist(), IDS[0, 6:10].tolist()
+    for p in ("fp32", "bf16"):  # these score a position the same with or without drafts
+        model = apply_precision(tiny, p)
+        alone, joint = _scored(model, ids, []), _scored(model, ids, extra)
+        assert torch.allclose(alone, joint, rtol=0, atol=1e-5 * float(alone.abs().max()))
+    int8 = apply_precision(tiny, "int8")
+    assert not torch.equal(_scored(int8, ids, []), _scored(int8, ids, extra))
+    for name in ("ngram", "int8"):
+        with pytest.raises(SpecDecodeError, match="batch-invariant"):
+            drafter_factory(name, int8)
+    assert drafter_factory("none", int8) is None

@@ -188,6 +188,15 @@ def default_configs_text() -> str:
     return ";".join(items)
 
 
+def check_invariant_target(precision: str, configs: Sequence[ConfigSpec]) -> None:
+    """Refuse speculative configurations on an int8 target before anything is measured (see
+    drafters.registry.check_batch_invariant for why)."""
+    if precision == "int8" and any(not c.is_plain for c in configs):
+        from specdecode.drafters.registry import check_batch_invariant
+
+        check_batch_invariant(precision)
+
+
 def parse_int_list(text: str, what: str, low: int = 1) -> list[int]:
     """A comma-separated list of integers >= `low`, sorted and without repeats."""
     try:
@@ -280,6 +289,7 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
         configs = endpoint_configs_from(args)
     else:
         configs = parse_configs(args.configs or default_configs_text(), args.precision)
+        check_invariant_target(args.precision, configs)
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     grid = config_grid(configs, batch_sizes)
     validate_configs(grid)
@@ -487,6 +497,7 @@ def plan_tune(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     if "draft-model" in drafters and not args.draft_model:
         raise SpecDecodeError("tuning draft-model needs --draft-model PATH")
     configs = tune_configs(drafters, k_values, args.precision, args.draft_model)
+    check_invariant_target(args.precision, configs)
     workload = tune_workload(args)
     report_skipped(workload, err)
     out_dir = preflight(args.out or default_out_dir("tune-"), False)
