@@ -5,11 +5,15 @@ The target's last hidden state f_t (after its final norm: the vector its LM head
 most of what the next tokens will be. The drafter predicts the NEXT feature from the current one
 and the token that was actually chosen, with one decoder layer of its own:
 
-    x_j = fc(concat(embed(token_{j+1}), f_j))       # (2H -> H), embed = the target's, frozen
+    x_j = fc(concat(rms(embed(token_{j+1})), f_j / g))  # (2H -> H), embed = the target's, frozen
     h_j = norm(block(x_j | x_0..x_{j-1}))           # one Llama block with its own KV cache
     q(token_{j+2}) = softmax(lm_head_S(h_j))        # the target's LM head rows of S, frozen
 
-and drafts autoregressively by feeding its own predicted feature h_j back as f_{j+1}. Features of
+and drafts autoregressively by feeding its own predicted feature h_j back as f_{j+1}. Both inputs
+enter fc at unit scale: the embedding RMS-normalised, the feature divided by the target's final
+norm gain g. The block starts from a small random initialisation: measured on SmolLM2, starting
+from a copy of the target's last block got stuck predicting the most frequent tokens (held-out
+agreement 0.19 after 50 steps vs 0.235 from random, with the unit-scale inputs). Features of
 committed positions come from the target (the engine passes them to `observe` after each step);
 predicted ones only live for the current proposal.
 
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
@@ -79,8 +84,11 @@ class FeatureDrafterModel(nn.Module):
         self.core.lm_head = lm
         self.core.inv_freq = target.inv_freq.clone()
         self.core.norm = nn.Parameter(target.norm.detach().clone())
-        self.core.layers[0] = init_block(target, dcfg)
+        self.core.layers[0] = init_block(dcfg)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.feat_scale: torch.Tensor
+        self.register_buffer("feat_scale", 1.0 / target.norm.detach().float().clone(),
+                             persistent=False)  # (H,): undoes the target's final norm gain
         self._embed = [target.embed]  # a list: not a submodule (frozen, never saved)
 
     def new_cache(self, batch: int, capacity: int) -> Any:
@@ -93,7 +101,8 @@ class FeatureDrafterModel(nn.Module):
         """
         with torch.no_grad():
             emb = self._embed[0](tokens).float()  # (B, T, H)
-        x = self.fc(torch.cat([emb, feats], dim=-1))  # (B, T, H)
+            emb = F.rms_norm(emb, (emb.shape[-1],))
+        x = self.fc(torch.cat([emb, feats * self.feat_scale], dim=-1))  # (B, T, H)
         return self.core(tokens, cache, embeds=x, return_hidden=True)  # type: ignore[no-any-return]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,21 +145,17 @@ def target_head_weight(target: Any) -> torch.Tensor:
     return float_weight(target.lm_head)[0].detach().float()
 
 
-def init_block(target: Any, cfg: Any) -> nn.Module:
-    """The draft block, initialised as a copy of the target's last block (fp32)."""
+def init_block(cfg: Any, std: float = 0.02) -> nn.Module:
+    """The draft block: matrices ~ N(0, std^2), biases zero, norm gains one (from torch's RNG)."""
     from specdecode.models.llama import Block
-    from specdecode.models.precision import float_weight
 
-    src = target.layers[len(target.layers) - 1]
     block = Block(cfg)
     with torch.no_grad():
-        block.attn_norm.copy_(src.attn_norm)
-        block.mlp_norm.copy_(src.mlp_norm)
-        for name in ("qkv", "o", "gate_up", "down"):
-            w, b = float_weight(getattr(src, name))
-            getattr(block, name).weight.copy_(w)
-            if b is not None:
-                getattr(block, name).bias.copy_(b)
+        for p in block.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, std)
+            elif p is not block.attn_norm and p is not block.mlp_norm:
+                p.zero_()
     return block
 
 

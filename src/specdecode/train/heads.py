@@ -5,8 +5,8 @@ Recipe (after EAGLE, Li et al. 2024):
 1. corpus -> token stream (train.corpus); the draft vocabulary S is the `draft_vocab` most frequent
    tokens of the training stream (FR-Spec, Zhao et al. 2025), plus the end-of-sequence ids;
 2. the target runs once over every training sequence; its features (hidden states after the
-   final norm) are stored in shards under OUT/features (bf16), so a resumed run never recomputes
-   them and training can take several passes over them;
+   final norm) are stored in shards under OUT/features/<target sha256 prefix> (bf16), so a
+   resumed run never recomputes them and training can take several passes over them;
 3. the drafter is trained teacher-forced on (token_{j+1}, f_j) -> f_{j+1}: smooth-L1 regression
    to the target's next feature plus `kl_weight` x cross-entropy to the target's distribution over
    S (softmax of its LM head rows of S at f_{j+1}), with uniform noise on the input features
@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import math
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -49,17 +50,17 @@ from specdecode.train.corpus import Corpus, load_corpus, sequences
 
 @dataclass(frozen=True)
 class HeadsTrainConfig:
-    steps: int = 1200  # optimizer steps
+    steps: int = 500  # optimizer steps
     batch: int = 8  # sequences per step
     seq_len: int = 128  # tokens per sequence
-    train_tokens: int = 96_000  # training tokens the target extracts features for
-    heldout_tokens: int = 4_096  # held-out tokens for the alpha evaluation
+    train_tokens: int = 80_000  # training tokens the target extracts features for
+    heldout_tokens: int = 2_048  # held-out tokens for the alpha evaluation
     draft_vocab: int = 8_192  # size of the draft vocabulary S
-    lr: float = 1e-3
+    lr: float = 3e-3
     warmup: int = 50  # linear warm-up steps, then cosine decay to lr / 10
     weight_decay: float = 0.0
-    kl_weight: float = 0.5  # weight of the cross-entropy to the target's distribution
-    noise: float = 0.2  # uniform noise on input features, times the feature RMS
+    kl_weight: float = 1.0  # weight of the cross-entropy to the target's distribution
+    noise: float = 0.1  # uniform noise on input features, times the feature RMS
     checkpoint_every: int = 100
     shard_sequences: int = 16  # sequences per feature shard
     eval_positions: int = 5  # draft positions evaluated on held-out text
@@ -239,10 +240,11 @@ def _prepare(loaded: Any, corpus: Corpus, cfg: HeadsTrainConfig, out_dir: Path,
     target = loaded.model
     train = sequences(corpus.train, cfg.seq_len)
     held = sequences(corpus.heldout, cfg.seq_len)[: max(1, cfg.heldout_tokens // cfg.seq_len)]
-    tr_tok, tr_feat = feature_shards(target, train, out_dir / "features" / "train",
-                                     cfg.shard_sequences, "target features (train)", progress)
-    ho_tok, ho_feat = feature_shards(target, held, out_dir / "features" / "heldout",
-                                     cfg.shard_sequences, "target features (held-out)", progress)
+    folder = out_dir / "features" / weights_sha256(target)[:16]  # shards of this target only
+    tr_tok, tr_feat = feature_shards(target, train, folder / "train", cfg.shard_sequences,
+                                     "target features (train)", progress)
+    ho_tok, ho_feat = feature_shards(target, held, folder / "heldout", cfg.shard_sequences,
+                                     "target features (held-out)", progress)
     return tr_tok, tr_feat, ho_tok, ho_feat
 
 
@@ -270,6 +272,8 @@ def train_heads(
     ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
     if ckpt is not None:
         _check_resume(ckpt.meta, cfg, ckpt.path)
+    elif (out_dir / "checkpoints").is_dir():  # a fresh run: older checkpoints would mix in
+        shutil.rmtree(out_dir / "checkpoints")
     corpus = load_corpus(corpus_paths, loaded.tokenizer, cfg.train_tokens,
                          cfg.heldout_tokens / (cfg.train_tokens + cfg.heldout_tokens), cfg.seed)
     tr_tok, tr_feat, ho_tok, ho_feat = _prepare(loaded, corpus, cfg, out_dir, progress)
