@@ -35,8 +35,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none",
-                   help="none | int8 | ngram | layerskip | draft-model | xtok (these two with "
-                        "--draft-model)")
+                   help="none | int8 | ngram | layerskip | heads (--heads) | draft-model | xtok "
+                        "(these two with --draft-model)")
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
                         "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
