@@ -110,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     factory = drafter_factory(args.drafter, loaded.model, args.draft_model, tokenizer=tok,
                               heads=args.heads, distilled=args.distilled)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
-    gen = Generation(loaded.model, tok, tok.encode(text), params,
+    gen = Generation(loaded.model, tok, tok.encode_prompt(text), params,
                      factory() if factory else None, args.k, eos)
     steps = _auto_steps(loaded.model, gen) if args.auto and factory else gen.run()
     start = time.perf_counter()
@@ -181,7 +181,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     make = _audit_drafter(args, loaded)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     texts = [args.prompt] if args.prompt else list(AUDIT_PROMPTS)
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])
+    prompts = [tok.encode_prompt(tok.apply_chat_template([{"role": "user", "content": t}])
                           if tok.chat_template else t) for t in texts]
     print(f"# audit: {loaded.name} ({loaded.backend}, {loaded.precision}), drafter "
           f"{args.drafter}{' with fault ' + args.inject_fault if args.inject_fault else ''}, "
