@@ -109,7 +109,9 @@ class EngineTally:
 @contextmanager
 def serving(loaded: LoadedModel, tally: EngineTally | None = None,
             **options: Any) -> Iterator[tuple[BackgroundServer, ServerState]]:
-    settings = {"drafter": "int8", "k": 4, "auto": True, "max_batch": 4, "max_seq_len": 256,
+    # fixed k: on this tiny model drafting costs more than a target step, so the controller
+    # (auto) would rightly keep speculation off, and these tests need drafted tokens
+    settings = {"drafter": "int8", "k": 4, "auto": False, "max_batch": 4, "max_seq_len": 256,
                 "max_queue": 16, **options}
     state = build_state(loaded, ServeOptions(**settings), costs=CostModel())
     if tally is not None:
