@@ -162,6 +162,16 @@ def test_controller_probes_and_comes_back_on() -> None:
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
+def test_alpha_estimate_leaves_the_prior_after_a_few_samples() -> None:
+    alpha = AlphaEstimate(0.6)
+    alpha.observe([0.0] * 5)
+    assert alpha.value < 0.25  # a plain EWMA at weight 0.1 would still say 0.35
+    alpha.observe([1.0] * 40)
+    assert alpha.value > 0.95  # and it keeps following the traffic
+    ctl = _controller(0.005, flat=True)
+    assert ctl.choose([alpha]) == [4]
+
+
 def test_no_probes_where_no_acceptance_could_pay() -> None:
     steep = _controller(0.005, flat=False)
     hopeful = [AlphaEstimate(0.9) for _ in range(32)]

@@ -83,14 +83,24 @@ class CostModel:
 
 @dataclass
 class AlphaEstimate:
-    """Running estimate of one request's per-token acceptance."""
+    """Running estimate of one request's per-token acceptance.
+
+    The start value counts as `prior_count` samples: the first observations move the estimate
+    as a mean would (1 / (prior_count + n)), so a short request whose drafts are rejected stops
+    speculating after a few steps instead of trusting the prior for dozens; later ones move it
+    by at least `weight` (an exponentially weighted average that follows bursts).
+    """
 
     value: float = DEFAULT_PRIOR
-    weight: float = 0.1  # how much one verified position moves the estimate
+    weight: float = 0.1  # the least one verified position moves the estimate
+    prior_count: float = 2.0
+    count: int = 0
 
     def observe(self, samples: list[float]) -> None:
         for s in samples:
-            self.value += self.weight * (s - self.value)
+            self.count += 1
+            step = max(self.weight, 1.0 / (self.prior_count + self.count))
+            self.value += step * (s - self.value)
 
 
 @dataclass
@@ -122,7 +132,7 @@ class Controller:
         key = category or ""
         if key not in self.categories:
             self.categories[key] = AlphaEstimate(self.priors.get(key, DEFAULT_PRIOR),
-                                                 self.category_weight)
+                                                 self.category_weight, prior_count=8.0)
         self.categories[key].observe(samples)
 
     def choose(self, alphas: list[AlphaEstimate]) -> list[int]:
