@@ -58,6 +58,15 @@ def test_noise_alone_is_rarely_flagged() -> None:
     assert flagged / total <= 0.10  # about 5 % expected at 95 % confidence
 
 
+def test_precision_change_is_a_target_swap() -> None:
+    """Same weight file, another precision: another target, so the tuning is stale."""
+    same = compare(run(0), run(1), n_resamples=RESAMPLES)
+    assert not any("precision" in r for r in same.stale_reasons)
+    result = compare(run(0), run(1, precision="bf16"), n_resamples=RESAMPLES)
+    assert result.stale and any("precision changed (fp32 -> bf16)" in r
+                                for r in result.stale_reasons)
+
+
 def test_weight_hash_change_makes_tuning_stale() -> None:
     result = compare(run(0), run(1, weight_hash="b" * 64), n_resamples=RESAMPLES)
     assert result.stale and any("weights changed" in r for r in result.stale_reasons)

@@ -44,13 +44,14 @@ class FakeRunner:
     noise: float = 0.03
     seed: int = 0
     weight_hash: str = "a" * 64
+    precision: str = "fp32"
     corrupt: set[str] = field(default_factory=set)
     audits: bool = True
     interrupt_after: int | None = None  # raise KeyboardInterrupt on that run() call
     calls: list[tuple[str, int, list[str]]] = field(default_factory=list)
 
     def describe(self) -> RunnerDescription:
-        return {"runner": "fake", "model_name": "fake-135m", "precision": "fp32",
+        return {"runner": "fake", "model_name": "fake-135m", "precision": self.precision,
                 "weight_hash": self.weight_hash, "torch_threads": 2}
 
     def run(self, prompts: Sequence[Prompt], config: ConfigSpec) -> list[RequestSample]:

@@ -200,6 +200,12 @@ def stale_reasons(
     if old.header.model.weight_hash != new.header.model.weight_hash:
         reasons.append(f"the target's weights changed (hash {old.header.model.weight_hash[:12]}"
                        f" -> {new.header.model.weight_hash[:12]})")
+    if old.header.model.precision != new.header.model.precision:
+        reasons.append(f"the target's precision changed ({old.header.model.precision} -> "
+                       f"{new.header.model.precision}): another precision is another target")
+    if old.header.model.name != new.header.model.name:
+        reasons.append(f"the target changed ({old.header.model.name} -> "
+                       f"{new.header.model.name})")
     if _rec_key(old_rec) != _rec_key(new_rec):
         def say(r: Recommendation) -> str:
             return f"{r.config} (drafter {r.drafter}, k={r.k})" if r.enable else "off"
