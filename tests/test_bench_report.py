@@ -94,3 +94,20 @@ def test_small_helpers() -> None:
     assert nice_ticks(0, 1) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
     assert nice_ticks(0.013, 0.05, 4) == [0.02, 0.03, 0.04, 0.05]
     assert fmt_bytes(0) == "–" and fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_a_config_keeps_its_colour_in_every_chart() -> None:
+    """The acceptance chart has no plain line: its colours must not shift against the CDFs."""
+    from specdecode.bench.report_html import acceptance_figures, latency_figures
+
+    analysis = analyze(evil_results(), n_resamples=50)
+
+    def legend(svg_text: str) -> dict[str, str]:
+        pairs = re.findall(r'fill="(#[0-9a-f]{6})"/><text x="[\d.]+" y="[\d.]+">([^<]+)</text>',
+                           svg_text)
+        return {label: color for color, label in pairs}
+
+    cdf = legend(str(latency_figures(analysis)[0]["figures"][0]))
+    accepted = legend(str(acceptance_figures(analysis)[0]))
+    assert "plain" in cdf and "plain" not in accepted and accepted
+    assert all(cdf[name] == color for name, color in accepted.items())

@@ -101,6 +101,12 @@ def _samples_of(analysis: Analysis, s: ConfigSummary) -> list[Any]:
     return [x for x in analysis.results.samples if (x.config, x.batch_size) == s.key]
 
 
+def _slot(analysis: Analysis, name: str) -> int:
+    """A configuration's palette slot: the same colour in every chart of the report."""
+    names = list(dict.fromkeys(c.spec.name for c in analysis.configs))
+    return names.index(name) if name in names else len(names)
+
+
 def latency_figures(analysis: Analysis) -> list[dict[str, Any]]:
     """Per batch size: CDFs of TTFT, ITL and request latency, one line per config."""
     metrics = (("TTFT", "time to first token (ms)", lambda x: [x.ttft_s * 1000]),
@@ -115,7 +121,8 @@ def latency_figures(analysis: Analysis) -> list[dict[str, Any]]:
             for s in configs:
                 values = [v for x in _samples_of(analysis, s) for v in get(x)]
                 xs, ys = ecdf(values)
-                series.append(svg.Series(s.spec.name, xs, ys, step=True))
+                series.append(svg.Series(s.spec.name, xs, ys, step=True,
+                                         color_index=_slot(analysis, s.spec.name)))
             figures.append(Markup(svg.line_chart(
                 series, title=f"{title} CDF, batch size {batch}", x_label=label,
                 y_label="fraction of requests" if title != "ITL" else "fraction of tokens",
@@ -129,7 +136,8 @@ def acceptance_figures(analysis: Analysis) -> list[Markup]:
     out = []
     for batch in analysis.batch_sizes:
         series = [svg.Series(s.spec.name, [float(i + 1) for i in range(len(
-            s.acceptance.by_position))], s.acceptance.by_position)
+            s.acceptance.by_position))], s.acceptance.by_position,
+            color_index=_slot(analysis, s.spec.name))
             for s in analysis.configs if s.spec.batch_size == batch and not s.spec.is_plain
             and s.acceptance.by_position]
         if series:
@@ -152,7 +160,8 @@ def speedup_figure(analysis: Analysis) -> Markup:
         ivs = [s.speedup.total_ratio for s in runs if s.speedup is not None]
         series.append(svg.Series(name, [float(s.spec.batch_size) for s in runs],
                                  [iv.estimate for iv in ivs], err_low=[iv.low for iv in ivs],
-                                 err_high=[iv.high for iv in ivs]))
+                                 err_high=[iv.high for iv in ivs],
+                                 color_index=_slot(analysis, name)))
     if not series:
         return Markup("<p>No speculative configuration with a plain baseline.</p>")
     return Markup(svg.line_chart(series, title="Speedup vs batch size (95% CI)",

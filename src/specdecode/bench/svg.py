@@ -28,6 +28,10 @@ class Series:
     step: bool = False
     err_low: list[float] = field(default_factory=list)
     err_high: list[float] = field(default_factory=list)
+    color_index: int | None = None  # a fixed palette slot (same config, same colour everywhere)
+
+    def color(self, i: int) -> str:
+        return PALETTE[(i if self.color_index is None else self.color_index) % len(PALETTE)]
 
 
 @dataclass(frozen=True)
@@ -97,13 +101,15 @@ def _axes(f: Frame, title: str, x_label: str, y_label: str) -> list[str]:
     return out
 
 
-def _legend(f: Frame, labels: Sequence[str]) -> list[str]:
+def _legend(f: Frame, labels: Sequence[str], colors: Sequence[str] | None = None
+            ) -> list[str]:
     out = []
     for i, label in enumerate(labels):
         y = f.top + 14 + 16 * i
         x = f.width - f.right + 10
+        color = colors[i] if colors is not None else PALETTE[i % len(PALETTE)]
         out.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" '
-                   f'fill="{PALETTE[i % len(PALETTE)]}"/><text x="{x + 14}" y="{y}">'
+                   f'fill="{color}"/><text x="{x + 14}" y="{y}">'
                    f"{escape(label[:22])}</text>")
     return out
 
@@ -171,7 +177,7 @@ def line_chart(
         parts.append(f'<line x1="{f.left}" y1="{f.py(hline):.1f}" x2="{f.width - f.right}" '
                      f'y2="{f.py(hline):.1f}" stroke="#444" stroke-dasharray="4 3"/>')
     for i, s in enumerate(series):
-        color = PALETTE[i % len(PALETTE)]
+        color = s.color(i)
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" '
                      f'points="{_path(f, s)}"/>')
         parts += _error_bars(f, s, color)
@@ -179,7 +185,7 @@ def line_chart(
             parts += [f'<circle cx="{f.px(x):.1f}" cy="{f.py(y):.1f}" r="2.5" fill="{color}"/>'
                       for x, y in zip(s.xs, s.ys, strict=True)
                       if math.isfinite(x) and math.isfinite(y)]
-    parts += _legend(f, [s.label for s in series])
+    parts += _legend(f, [s.label for s in series], [s.color(i) for i, s in enumerate(series)])
     return _svg(f, parts, title)
 
 
