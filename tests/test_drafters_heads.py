@@ -7,7 +7,6 @@ for another target."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,7 @@ PROMPT = [5, 17, 42, 8, 63, 9, 12]
 SUBSET = 48  # draft vocabulary of the reduced-vocabulary heads
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread (see test_drafters_ngram.one_thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 @pytest.fixture(scope="module")

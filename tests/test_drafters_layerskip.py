@@ -5,7 +5,6 @@ sampling pipeline, and the layer calibration (search, cache, errors) on small ra
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,13 +42,7 @@ TINY_PROMPT = [5, 17, 42, 8, 63]
 TINY_CHAT = (("t5 t17 t42 t8 t63 t9 t12", "t33 t34 t35 t2 t17 t42 t8 t77 t41 t40 t3 t9"),) * 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread (see test_drafters_ngram.one_thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 # ---------------------------------------------------------------------------------------------

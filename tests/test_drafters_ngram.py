@@ -15,7 +15,7 @@ proposals, their state across steps) end to end through the engine, at a cost of
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,14 +49,7 @@ CODE_PROMPT = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread for this module: on a shared 2-core machine two threads fighting other
-    processes run a forward pass several times slower (plain and speculative runs alike)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,13 +48,7 @@ Model = Any  # a native runner (models.llama.LlamaModel)
 CHARS = [" ", "t"] + [str(d) for d in range(10)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread: the machine is a shared 2-core one (see test_drafters_ngram.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 # ---------------------------------------------------------------------------------------------

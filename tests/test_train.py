@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,12 +32,7 @@ CFG = HeadsTrainConfig(steps=8, batch=4, seq_len=32, train_tokens=3000, heldout_
                        eval_positions=3, lr=3e-3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 @pytest.fixture(scope="module")

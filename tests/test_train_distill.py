@@ -5,7 +5,6 @@ loads and drafts, and bad corpora or output folders are clear errors."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,7 @@ CFG = DistillConfig(layers=2, init="spaced", vocab=48, steps=12, batch=4, seq_le
                     checkpoint_every=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 @pytest.fixture(scope="module")
