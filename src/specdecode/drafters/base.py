@@ -14,7 +14,9 @@ from typing import Protocol
 
 import torch
 
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
+
+EMPTY = torch.zeros(0, dtype=torch.long)  # no tokens (an empty draft, or no draft yet)
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,13 @@ class FeatureObserver(Protocol):
 def wants_hidden(drafter: object) -> bool:
     """True when `drafter` has an `observe` method: the engine then passes it target features."""
     return callable(getattr(drafter, "observe", None))
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor, prompt_len: int,
+         generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """One draft token from a drafter's (1, V) logits through the shared sampling pipeline:
+    greedy (q None), or sampled with the q (V,) it was drawn from."""
+    if params.greedy:
+        return int(greedy_tokens(logits, params, history, prompt_len, EMPTY)[0]), None
+    q = probs_from_logits(logits, params, history, prompt_len, EMPTY)[0]
+    return int(sample(q, generator)), q

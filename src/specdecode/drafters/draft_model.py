@@ -10,11 +10,9 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import EMPTY, Draft, draw
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
-
-_EMPTY = torch.zeros(0, dtype=torch.long)
+from specdecode.sampling import SamplingParams
 
 
 def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
@@ -100,19 +98,14 @@ class DraftModelDrafter:
     ) -> Draft:
         ctx = context.tolist()
         if len(ctx) + k + 1 > self.capacity:
-            return Draft(_EMPTY, None)
+            return Draft(EMPTY, None)
         self._reserve(len(ctx) + k + 1)
         logits = self._sync(ctx)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            history = torch.tensor(ctx + tokens)
-            if params.greedy:
-                tok = int(greedy_tokens(logits, params, history, prompt_len, _EMPTY)[0])
-            else:
-                q = probs_from_logits(logits, params, history, prompt_len, _EMPTY)[0]  # (V,)
-                tok = int(sample(q, generator))
-                qs.append(q)
+            tok, q = draw(logits, params, torch.tensor(ctx + tokens), prompt_len, generator)
+            qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:
                 logits = self._feed([tok])

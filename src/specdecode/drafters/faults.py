@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import EMPTY, Draft
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 
 FAULTS = ("q-without-temperature", "top-p-one-side", "sampler-one-side", "q-from-other-model")
-_EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 class FaultyDrafter(DraftModelDrafter):
@@ -73,8 +72,8 @@ class FaultyDrafter(DraftModelDrafter):
         qs: list[torch.Tensor] = []
         for i in range(k):
             history = torch.tensor(ctx + tokens)
-            q_true = probs_from_logits(logits, sampling, history, prompt_len, _EMPTY)[0]
-            qs.append(probs_from_logits(other, reported, history, prompt_len, _EMPTY)[0])
+            q_true = probs_from_logits(logits, sampling, history, prompt_len, EMPTY)[0]
+            qs.append(probs_from_logits(other, reported, history, prompt_len, EMPTY)[0])
             tokens.append(int(sample(q_true, generator)))
             if i + 1 < k:
                 logits = self._feed(tokens[-1:])

@@ -42,13 +42,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import EMPTY, Draft, draw
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
+from specdecode.sampling import SamplingParams
 
 WEIGHTS_FILE = "heads.safetensors"
 DEFAULT_HEADS = "smollm2-135m"  # folder under specdecode/data/heads
-_EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 def default_heads_dir() -> Path:
@@ -255,20 +254,15 @@ class HeadsDrafter:
     def _propose(self, ctx: list[int], k: int, params: SamplingParams, prompt_len: int,
                  generator: torch.Generator | None) -> Draft:
         if len(ctx) < 2 or self.num_feats < len(ctx) - 1 or len(ctx) + k > self.capacity:
-            return Draft(_EMPTY, None)  # no target features for this context (yet)
+            return Draft(EMPTY, None)  # no target features for this context (yet)
         self._reserve(len(ctx) + k)
         hidden = self._sync(ctx)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
             logits = self.model.full_logits(hidden)  # (1, V)
-            history = torch.tensor(ctx + tokens)
-            if params.greedy:
-                tok = int(greedy_tokens(logits, params, history, prompt_len, _EMPTY)[0])
-            else:
-                q = probs_from_logits(logits, params, history, prompt_len, _EMPTY)[0]  # (V,)
-                tok = int(sample(q, generator))
-                qs.append(q)
+            tok, q = draw(logits, params, torch.tensor(ctx + tokens), prompt_len, generator)
+            qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:
                 hidden = self.model(torch.tensor([[tok]]), hidden[None], self.cache)[0]

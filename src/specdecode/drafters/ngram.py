@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import EMPTY, Draft
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
-
-_EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 class NgramIndex:
@@ -93,5 +91,5 @@ class NgramDrafter:
         self._sync(context.tolist())
         start = self.index.lookup() if k > 0 else None
         if start is None:
-            return Draft(_EMPTY, None)
+            return Draft(EMPTY, None)
         return Draft(torch.tensor(self.index.continuation(start, k), dtype=torch.long), None)

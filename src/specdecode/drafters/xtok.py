@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import EMPTY, Draft, Drafter
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 
@@ -49,7 +49,6 @@ LOOKBACK = 4  # tokens decoded before a seam, so the seam's text comes out as in
 MAX_TAIL_CHARS = 256  # a draft-side tail without whitespace is split when it grows past this
 SPLIT_KEEP = 64  # ... keeping this many characters in the re-encoded tail
 GREEDY = SamplingParams()  # the draft model always drafts greedily (see the module docstring)
-_EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 def text_increment(tok: Tokenizer, ids: list[int], old_end: int) -> str | None:
@@ -152,7 +151,7 @@ class XtokDrafter:
         """Up to k target tokens re-tokenised from the draft model's greedy continuation."""
         ctx = context.tolist()
         if k <= 0 or not self._sync(ctx):
-            return Draft(_EMPTY, None)
+            return Draft(EMPTY, None)
         ids = self.draft.ids
         inner = self.inner.propose(torch.tensor(ids), self._budget(k), GREEDY, len(ids), None)
         text, ended = self.draft_text(inner.tokens.tolist())
