@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -55,6 +54,7 @@ from specdecode.control import Controller
 from specdecode.drafters.registry import DrafterFactory, drafter_factory
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
+from specdecode.memory import drafter_module, peak_rss_bytes, weight_bytes
 from specdecode.metrics import Counters
 from specdecode.models.loading import LoadedModel, file_digest
 from specdecode.models.tokenizer import Tokenizer
@@ -225,58 +225,6 @@ def weights_digest(source: Path) -> str:
     for path in sorted(source.glob("*.safetensors")):
         digest.update(file_digest(path).encode())
     return digest.hexdigest()
-
-
-def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Every tensor of a module's state, packed (int8) weights unpacked."""
-    out: list[torch.Tensor] = []
-    for value in module.state_dict().values():
-        items = value if isinstance(value, tuple) else (value,)
-        out += [t for t in items if isinstance(t, torch.Tensor)]
-    return out
-
-
-def _pointer(t: torch.Tensor) -> int:
-    return id(t) if t.is_quantized else t.data_ptr()  # unpacked copies: one each
-
-
-def weight_bytes(module: torch.nn.Module, shared: torch.nn.Module | None = None) -> int:
-    """Bytes of a module's distinct weights, leaving out what it shares with `shared` (e.g. a
-    drafter's model that reuses the target's tensors or blocks).
-
-    Packed weights count too: those a state dict unpacks (torch.ao dynamic quantization) and
-    those of submodules that state their size as an integer `nbytes` (models.precision).
-    """
-    seen: set[int] = set()
-    skip: set[int] = set()
-    if shared is not None:
-        seen = {t.data_ptr() for t in _tensors(shared) if not t.is_quantized}
-        skip = {id(m) for m in shared.modules()}
-    total = 0
-    for t in _tensors(module):
-        if _pointer(t) not in seen:
-            seen.add(_pointer(t))
-            total += t.numel() * t.element_size()
-    for sub in module.modules():
-        packed = getattr(sub, "nbytes", None)
-        if id(sub) not in skip and isinstance(packed, int) and not isinstance(packed, bool):
-            total += packed
-    return total
-
-
-def drafter_module(drafter: Any) -> torch.nn.Module | None:
-    """The torch module a drafter runs (`.model`, or `.model.model` for a wrapper), if any."""
-    obj = getattr(drafter, "model", None)
-    for _ in range(3):
-        if isinstance(obj, torch.nn.Module):
-            return obj
-        obj = getattr(obj, "model", None)
-    return None
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 # ----------------------------------------------------------------------------------- runner

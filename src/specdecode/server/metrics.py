@@ -34,12 +34,12 @@ from prometheus_client import (
     generate_latest,
 )
 
+from specdecode.memory import peak_rss_bytes
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 def _peak_rss_bytes() -> float:
-    from specdecode.bench.inprocess import peak_rss_bytes
-
     return float(peak_rss_bytes())
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)

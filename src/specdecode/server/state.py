@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.bench.inprocess import drafter_module, weight_bytes
 from specdecode.control import Controller, CostModel, calibrated_costs
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine
 from specdecode.errors import SpecDecodeError
+from specdecode.memory import drafter_module, weight_bytes
 from specdecode.models.loading import LoadedModel
 from specdecode.server.errors import APIError
 from specdecode.server.metrics import ServerMetrics
