@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
@@ -38,12 +39,15 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
+@pytest.mark.parametrize("gemv_copy", [False, True], ids=["plain", "gemv-copy"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_native_logits_match_transformers(tmp_path: Path, variant: str) -> None:
+def test_native_logits_match_transformers(tmp_path: Path, variant: str, gemv_copy: bool) -> None:
     family, overrides = VARIANTS[variant]
     folder = make_checkpoint(tmp_path / variant, family, **overrides)
     cfg = config_from_hf(read_hf_config(folder))
     model = load_native(folder, cfg)
+    if gemv_copy:  # the one-token steps below then run on the (in, out) copies
+        model.add_gemv_copies()
     ids = torch.randint(cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
     ref = _reference(folder, ids)
     with torch.inference_mode():
@@ -74,3 +78,26 @@ def test_ragged_batch_rows_match_single_rows(tmp_path: Path) -> None:
             single.append(model(new[row : row + 1], c))
     assert cache.lengths == [10, 15]
     assert _rel_err(batched, torch.cat(single)) < TOL
+
+
+def test_gemv_copy_serves_one_row_only_and_is_counted(tmp_path: Path) -> None:
+    """The (in, out) copy is used for one-row calls (a stale copy shows in their output, not in
+    wider calls'), matches the weight's own result, and weight_bytes counts it."""
+    folder = make_checkpoint(tmp_path / "m", tie_word_embeddings=True)
+    model = load_native(folder, config_from_hf(read_hf_config(folder)))
+    before = model.weight_bytes()
+    matrices = sum(m.weight.numel() * 4 for m in model.modules()
+                   if isinstance(m, torch.nn.Linear))
+    model.add_gemv_copies()
+    assert model.weight_bytes() == before + matrices
+    layer = model.layers[0].qkv
+    x = torch.randn(1, 1, layer.in_features, generator=torch.Generator().manual_seed(3))
+    wide = torch.randn(1, 4, layer.in_features, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        want1, want4 = F.linear(x, layer.weight, layer.bias), F.linear(wide, layer.weight,
+                                                                        layer.bias)
+        assert torch.allclose(layer(x), want1, atol=1e-5)
+        assert layer.weight_t is not None
+        layer.weight_t.zero_()  # broken variant: a stale copy
+        assert not torch.allclose(layer(x), want1, atol=1e-5)
+        assert torch.allclose(layer(wide), want4, atol=1e-5)
