@@ -6,7 +6,8 @@ drafted, mean acceptance length (bonus included), c (drafting time per draft tok
 target's time per plain step, both measured in this run; a draft model's own prefill of the
 prompt counts as drafting time), and tokens/s of whole requests (prefill included) as a ratio to
 plain decoding of the same prompts (median over prompts, min-max). The training cost of each trained
-drafter is read from its model card.
+drafter is read from its model card. A second ratio counts the decoding phase alone (prefill
+excluded: the same work on both sides, it dilutes the ratio of long prompts).
 
 Workloads: the built-in prompts by category, and any Spec-Bench-format file
 (../shared/data/specbench/question.jsonl by default), a few prompts per category.
@@ -40,14 +41,19 @@ CARDS = Path(__file__).resolve().parents[1] / "src/specdecode/data"
 
 
 def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k: int
-            ) -> tuple[float, Any]:
+            ) -> tuple[float, float, Any]:
+    """(tokens/s of the whole request, prefill included: the request as users see it;
+    tokens/s of its decoding phase alone; counters)."""
     gen = Generation(loaded.model, None, ids, params, drafter, k, loaded.tokenizer.eos_ids)
-    start = time.perf_counter()  # prefill included on both sides: the request as users see it
+    start = time.perf_counter()
     gen.prefill()
+    decode_start = time.perf_counter()
     for _ in gen.run():
         pass
     gen.release()
-    return len(gen.output) / (time.perf_counter() - start), gen.counters
+    end = time.perf_counter()
+    n = len(gen.output)
+    return n / (end - start), n / (end - decode_start), gen.counters
 
 
 def training_cost(name: str) -> str:
@@ -111,9 +117,10 @@ def main() -> None:
     for temperature in (float(t) for t in args.temperatures.split(",")):
         print(f"\n## temperature {temperature}")
         print(f"{'category':<28}{'drafter':<11}{'k':>2}{'alpha':>7}{'acc/dr':>7}{'len':>6}"
-              f"{'c':>6}{'x plain (min-max)':>20}")
+              f"{'c':>6}{'x plain (min-max)':>20}{'decode x plain':>20}")
         for category, prompts in groups.items():
             rates: dict[str, list[float]] = {"plain": []}
+            decode: dict[str, list[float]] = {"plain": []}
             counters: dict[str, list[Any]] = {}
             plain_step: list[float] = []
             for i, p in enumerate(prompts):
@@ -123,12 +130,14 @@ def main() -> None:
                                         seed=i)
                 if not results and i == 0:
                     run_one(loaded, ids, params, None, 0)  # warm-up
-                rate, c0 = run_one(loaded, ids, params, None, 0)
+                rate, dec, c0 = run_one(loaded, ids, params, None, 0)
                 rates["plain"].append(rate)
+                decode["plain"].append(dec)
                 plain_step.append(c0.target_ns / max(1, c0.steps))
                 for name, (factory, k) in factories.items():
-                    rate, c = run_one(loaded, ids, params, factory(), k)
+                    rate, dec, c = run_one(loaded, ids, params, factory(), k)
                     rates.setdefault(name, []).append(rate)
+                    decode.setdefault(name, []).append(dec)
                     counters.setdefault(name, []).append(c)
             step_ns = statistics.median(plain_step)
             for name, (_, k) in factories.items():
@@ -140,16 +149,23 @@ def main() -> None:
                 alpha = sum(c.alpha_micro for c in cs) / 1e6 / positions if positions else 0.0
                 cost = sum(c.draft_ns for c in cs) / max(1, drafted) / step_ns
                 ratios = [s / b for s, b in zip(rates[name], rates["plain"], strict=True)]
+                decode_ratios = [s / b for s, b in zip(decode[name], decode["plain"],
+                                                       strict=True)]
                 row = {"temperature": temperature, "category": category, "drafter": name,
                        "k": k, "alpha": alpha, "accepted_per_drafted": accepted / max(1, drafted),
                        "mean_acceptance_length": (accepted + steps) / max(1, steps), "c": cost,
                        "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-                       "ratio_max": max(ratios)}
+                       "ratio_max": max(ratios),
+                       "decode_ratio": statistics.median(decode_ratios),
+                       "decode_ratio_min": min(decode_ratios),
+                       "decode_ratio_max": max(decode_ratios)}
                 results.append(row)
                 print(f"{category:<28}{name:<11}{k:>2}{alpha:>7.2f}"
                       f"{row['accepted_per_drafted']:>7.2f}{row['mean_acceptance_length']:>6.2f}"
                       f"{cost:>6.2f}{row['ratio']:>8.2f} ({row['ratio_min']:.2f}-"
-                      f"{row['ratio_max']:.2f})", flush=True)
+                      f"{row['ratio_max']:.2f})   {row['decode_ratio']:.2f} "
+                      f"({row['decode_ratio_min']:.2f}-{row['decode_ratio_max']:.2f})",
+                      flush=True)
         best: dict[str, tuple[float, str]] = {}
         for r in results:
             if r["temperature"] == temperature and r["ratio"] > best.get(r["category"],

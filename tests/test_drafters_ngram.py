@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode.control import CostModel, best_draft_length
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.ngram import MatchStats, NgramDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
@@ -275,3 +276,71 @@ def test_audit_catches_an_ngram_drafter_that_reports_a_q(
     model, prompt = tiny_and_prompt
     first_p, pair_p, _, _ = audit(model, prompt, lambda: LyingNgram(3, 1), 2, seed=20_000)
     assert first_p < FALSE_ALARM and pair_p < FALSE_ALARM
+
+
+# ---------------------------------------------------------------------------------------------
+# Confidence: match length -> acceptance rate, and the engine verifying only what pays
+# ---------------------------------------------------------------------------------------------
+
+
+def test_match_stats_count_up_to_the_first_miss_and_not_past_the_committed_text() -> None:
+    stats = MatchStats(prior_weight=0.0)
+    stats.record(2, [7, 8, 9], [7, 8, 5, 1])  # tokens at match lengths 2, 3 accepted, 4 missed
+    stats.record(2, [7, 8], [7])  # the second token was never verified: not counted
+    assert (stats.proposed[2], stats.accepted[2]) == (2, 2)
+    assert (stats.proposed[3], stats.accepted[3]) == (1, 1)
+    assert (stats.proposed[4], stats.accepted[4]) == (1, 0)
+    assert stats.rate(4) == 0.0 and stats.rate(2) == 1.0
+    with_prior = MatchStats(prior_weight=4.0)
+    assert with_prior.rate(1) == pytest.approx(1 / 2.5)
+    assert with_prior.rate(20) == with_prior.rate(8)
+
+
+def test_confidence_follows_what_the_target_commits() -> None:
+    """A drafter whose 3-gram matches are always wrong lowers their confidence; the scores come
+    from comparing each proposal with the tokens committed after it."""
+    drafter = NgramDrafter(3, 1)
+    params = SamplingParams(max_tokens=8)
+    context = [1, 2, 3, 4, 1, 2, 3]  # "1 2 3" matches: proposes 4 ...
+    first = drafter.propose(torch.tensor(context), 4, params, len(context), None)
+    assert first.confidence is not None and first.tokens.tolist()[0] == 4
+    start = first.confidence[0]
+    for wrong in range(50, 60):  # the target commits something else after every "1 2 3"
+        context += [wrong, 1, 2, 3]
+        draft = drafter.propose(torch.tensor(context), 4, params, len(context), None)
+        assert draft.confidence is not None
+    assert draft.confidence[0] < start / 2
+    assert draft.confidence[0] == pytest.approx(drafter.stats.rate(3))
+
+
+def test_best_draft_length_weighs_expected_tokens_against_verification_cost() -> None:
+    def linear(width: int) -> float:
+        return 1.0 + 0.2 * (width - 1)
+
+    # E(k) / cost: k=0 1.0, k=1 1.9/1.2, k=2 2.71/1.4 = 1.94 (best), k=3 2.791/1.6
+    assert best_draft_length([0.9, 0.9, 0.1], linear) == 2
+    assert best_draft_length([0.05, 0.9], linear) == 0  # the first token would not pay
+    assert best_draft_length([0.9] * 6, lambda width: 1.0) == 6  # free verification: all
+    assert best_draft_length([], linear) == 0
+
+
+def test_the_engine_verifies_only_the_drafts_that_pay(
+    smollm: LoadedModel, code_plain: tuple[list[int], list[int]]
+) -> None:
+    """With verification made dear in the cost model, confident n-gram drafts are cut to none
+    (output unchanged); with it cheap they are verified."""
+    prompt, plain = code_plain
+    dear, cheap = CostModel(), CostModel()
+    dear.target_s = {(1, 1): 1.0, **{(1, w): 100.0 for w in range(2, 10)}}
+    cheap.target_s = {(1, w): 1.0 for w in range(1, 10)}
+    runs = {}
+    for name, costs in (("dear", dear), ("cheap", cheap)):
+        gen = Generation(smollm.model, smollm.tokenizer, prompt, SamplingParams(max_tokens=16),
+                         NgramDrafter(), 8, smollm.tokenizer.eos_ids, costs=costs)
+        gen.costs.observe_target = lambda *a: None  # type: ignore[method-assign]  # keep them
+        for _ in gen.run():
+            pass
+        assert gen.output == plain[:16]
+        runs[name] = gen.counters.drafted
+    assert runs["dear"] == 0 and runs["cheap"] > 0
+

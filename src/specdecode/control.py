@@ -29,9 +29,11 @@ token, and is left out of `draft_token_s`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_PRIOR = 0.6
+PRIOR_SLOPE = 0.1  # past the widest measured width: each more position costs this x t(B, 1)
 PROBE_ALPHA = 0.95  # the acceptance a probe hopes to find; if even it cannot pay, no probe
 
 
@@ -42,6 +44,22 @@ def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_draft_length(confidence: Sequence[float], width_cost: Callable[[int], float]) -> int:
+    """How many tokens of a draft to verify: the prefix length k maximising expected tokens per
+    unit of cost, E(k) / width_cost(k + 1), where E(k) = 1 + sum_{i<=k} prod_{j<=i} confidence[j]
+    (confidence[j]: probability token j is accepted given the ones before it were) and
+    width_cost(T) is the cost of a target forward scoring T positions. 0 = verify none."""
+    best_k, best_rate = 0, 1.0 / width_cost(1)
+    emitted, survive = 1.0, 1.0
+    for k, c in enumerate(confidence, start=1):
+        survive *= c
+        emitted += survive
+        rate = emitted / width_cost(k + 1)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
 
 
 @dataclass
@@ -57,10 +75,15 @@ class CostModel:
             return self.target_s[(batch, width)]
         if not self.target_s:
             return 1.0 * width ** 0.5 * batch ** 0.5  # uninformed: only the ordering matters
-        # nearest measured batch, then linear in width between measured widths
+        # nearest measured batch, then linear in width between measured widths; past the
+        # widest measured width, PRIOR_SLOPE of the narrowest one's time per extra position
         batches = sorted({b for b, _ in self.target_s})
         b = min(batches, key=lambda x: (abs(x - batch), x))
         widths = sorted(w for bb, w in self.target_s if bb == b)
+        if width > widths[-1]:
+            t = self.target_s[(b, widths[-1])] + (width - widths[-1]) * PRIOR_SLOPE * \
+                self.target_s[(b, widths[0])]
+            return t * batch / b
         lo = max([w for w in widths if w <= width], default=widths[0])
         hi = min([w for w in widths if w >= width], default=widths[-1])
         t_lo, t_hi = self.target_s[(b, lo)], self.target_s[(b, hi)]

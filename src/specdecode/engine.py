@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from specdecode.control import AlphaEstimate, Controller
+from specdecode.control import AlphaEstimate, Controller, CostModel, best_draft_length
 from specdecode.drafters.base import Draft, Drafter, wants_hidden
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
@@ -80,6 +80,7 @@ class Generation:
         k: int = 0,
         eos_ids: tuple[int, ...] = (),
         category: str | None = None,
+        costs: CostModel | None = None,
     ) -> None:
         params.validate(model.cfg.vocab_size)
         if not 0 <= k <= MAX_K:
@@ -105,6 +106,10 @@ class Generation:
         self.wants_hidden = wants_hidden(drafter)  # the drafter observes the target's features
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
         self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
+        # measured target forward times t(B, T): they decide how much of a draft that carries
+        # per-token confidences is verified (a BatchEngine swaps in its own)
+        self.costs = costs if costs is not None else CostModel()
+        self.batch = 1  # rows of the target forward this request's steps run in
 
     @property
     def prefilled(self) -> bool:
@@ -157,6 +162,7 @@ class Generation:
         t2 = time.perf_counter_ns()
         self.counters.draft_ns += t1 - t0
         self.counters.target_ns += t2 - t1
+        self.costs.observe_target(1, len(draft.tokens) + 1, (t2 - t1) / 1e9)
         return self.finish_step(logits[0], draft, None if hidden is None else hidden[0])
 
     def fed(self, draft: Draft) -> torch.Tensor:
@@ -173,6 +179,9 @@ class Generation:
         with torch.inference_mode():
             draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
         self.catch_up_ns = int(getattr(self.drafter, "catch_up_ns", 0))
+        if draft.confidence is not None:  # verify only the prefix expected to pay
+            k = min(k, best_draft_length(draft.confidence[:k],
+                                         lambda width: self.costs.target(self.batch, width)))
         return Draft(draft.tokens[:k].to(torch.long), None if draft.q is None else draft.q[:k])
 
     def finish_step(self, logits: torch.Tensor, draft: Draft,
@@ -264,6 +273,7 @@ class BatchEngine:
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.cache = model.new_cache(max_batch, max_seq_len)
         self.controller = controller
+        self.costs = controller.costs if controller is not None else CostModel()
         self.prefill_chunk = prefill_chunk
         self.active: list[Generation] = []  # active[i] decodes in cache row i
         self.joining: deque[Generation] = deque()  # prefilling in their own caches
@@ -347,7 +357,7 @@ class BatchEngine:
         self.cache.k[:, row, :, :n] = gen.cache.k[:, 0, :, :n]
         self.cache.v[:, row, :, :n] = gen.cache.v[:, 0, :, :n]
         self.cache.lengths[row] = n
-        gen.cache, gen.row = self.cache, row
+        gen.cache, gen.row, gen.costs = self.cache, row, self.costs
         self.active.append(gen)
 
     def _leave(self, gen: Generation) -> None:
@@ -375,7 +385,7 @@ class BatchEngine:
         drafts = []
         start = time.perf_counter_ns()
         for gen, k in zip(self.active, ks, strict=True):
-            gen.next_k = k
+            gen.next_k, gen.batch = k, len(self.active)
             t0 = time.perf_counter_ns()
             drafts.append(gen.propose())
             gen.counters.draft_ns += time.perf_counter_ns() - t0
@@ -405,8 +415,7 @@ class BatchEngine:
         self.cache.lengths[:n] = view.lengths
         for gen in self.active:
             gen.counters.target_ns += elapsed
-        if self.controller is not None:
-            self.controller.costs.observe_target(n, width, elapsed / 1e9)
+        self.costs.observe_target(n, width, elapsed / 1e9)
         return logits, hidden
 
 

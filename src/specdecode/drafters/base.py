@@ -23,6 +23,10 @@ EMPTY = torch.zeros(0, dtype=torch.long)  # no tokens (an empty draft, or no dra
 class Draft:
     tokens: torch.Tensor  # (k,) int64 proposed token ids
     q: torch.Tensor | None  # (k, V) float32 draft distributions, or None (deterministic draft)
+    # Optional: per token, the drafter's estimate of the probability that it is accepted given
+    # that the tokens before it were. With it the engine drafts only the prefix that is expected
+    # to pay for its verification (control.best_draft_length); without it, every token is kept.
+    confidence: tuple[float, ...] | None = None
 
 
 class Drafter(Protocol):

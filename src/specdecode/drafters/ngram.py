@@ -11,6 +11,16 @@ the up to k tokens that followed it; when the match is so recent that they run p
 the context (a repeating pattern, e.g. "a b a b"), the pattern is continued by copying with the
 same period. The draft is deterministic (q=None): the verifier treats it as one-hot on each
 proposed token, which is lossless whatever the proposal.
+
+How long a match is says how far to trust it. Measured over 60 prompts of SmolLM2 greedy output
+(the built-in workload and Spec-Bench), the first proposed token was accepted 24% of the time
+after a 1-token match, 47% after 2, 65% after 3, 75% after 5 and 91% after 6 or more; and once a
+token is accepted the match is one token longer. So each proposal carries a confidence per token:
+the running acceptance rate of matches of length n + j for its j-th token (`MatchStats`, learned
+from this request's own proposals against what was committed, starting from a prior), and the
+engine keeps the prefix that pays for its verification. A proposal is scored against the
+committed text even when the engine drafted none of it, so the rates keep being learned while
+speculation is off.
 """
 
 from __future__ import annotations
@@ -38,13 +48,14 @@ class NgramIndex:
                 self.follower[tuple(self.tokens[pos - n : pos])] = pos
             self.tokens.append(tok)
 
-    def lookup(self) -> int | None:
-        """Follower position of the longest suffix n-gram seen earlier (most recent), or None."""
+    def lookup(self) -> tuple[int, int] | None:
+        """(follower position, n) of the longest suffix n-gram seen earlier (its most recent
+        occurrence), or None."""
         end = len(self.tokens)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             pos = self.follower.get(tuple(self.tokens[end - n :]))
             if pos is not None:
-                return pos
+                return pos, n
         return None
 
     def continuation(self, start: int, k: int) -> list[int]:
@@ -57,10 +68,43 @@ class NgramIndex:
         return out
 
 
+STATS_CAP = 8  # match lengths >= this share one rate
+
+
+class MatchStats:
+    """Acceptance rate of proposed tokens by the match length behind them (integer counts).
+
+    rate(m) = (accepted + w * prior) / (proposed + w), prior m / (m + 1.5): a guess that the first
+    verified tokens correct (0.4 for m = 1, 0.84 for m = 8), worth `prior_weight` observations.
+    """
+
+    def __init__(self, prior_weight: float = 4.0) -> None:
+        self.prior_weight = prior_weight
+        self.accepted = [0] * (STATS_CAP + 1)
+        self.proposed = [0] * (STATS_CAP + 1)
+
+    def rate(self, m: int) -> float:
+        m = min(m, STATS_CAP)
+        prior = m / (m + 1.5)
+        return (self.accepted[m] + self.prior_weight * prior) / (self.proposed[m] +
+                                                                 self.prior_weight)
+
+    def record(self, n: int, proposal: list[int], committed: list[int]) -> None:
+        """Score a proposal made after an n-token match against the tokens committed after it:
+        token j (match length n + j) counts as proposed, and as accepted if it was committed,
+        up to the first miss; tokens past the committed text are unknown and not counted."""
+        for j, (tok, real) in enumerate(zip(proposal, committed, strict=False)):
+            m = min(n + j, STATS_CAP)
+            self.proposed[m] += 1
+            if tok != real:
+                return
+            self.accepted[m] += 1
+
+
 class NgramDrafter:
     """Prompt-lookup drafter (one per request): longest suffix match first, most recent match."""
 
-    def __init__(self, max_n: int = 3, min_n: int = 1, name: str = "ngram") -> None:
+    def __init__(self, max_n: int = 8, min_n: int = 1, name: str = "ngram") -> None:
         if not 1 <= min_n <= max_n:
             raise SpecDecodeError(
                 f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}"
@@ -68,9 +112,13 @@ class NgramDrafter:
         self.name = name
         self.max_n, self.min_n = max_n, min_n
         self.index = NgramIndex(max_n, min_n)
+        self.stats = MatchStats()
+        self._last: tuple[int, int, list[int]] | None = None  # (at, n, proposal) to score
 
     def reset(self) -> None:
         self.index = NgramIndex(self.max_n, self.min_n)
+        self.stats = MatchStats()
+        self._last = None
 
     def _sync(self, context: list[int]) -> None:
         """Index the tokens new since the last call; rebuild if `context` is not an extension."""
@@ -87,9 +135,19 @@ class NgramDrafter:
         prompt_len: int,
         generator: torch.Generator | None,
     ) -> Draft:
-        """Up to k tokens copied from after the best earlier match; empty when nothing matches."""
-        self._sync(context.tolist())
-        start = self.index.lookup() if k > 0 else None
-        if start is None:
+        """Up to k tokens copied from after the best earlier match, with a confidence per token;
+        empty when nothing matches."""
+        tokens = context.tolist()
+        self._sync(tokens)  # a context that does not extend the last one resets the request
+        if self._last is not None and len(tokens) > self._last[0]:
+            at, n, proposal = self._last
+            self.stats.record(n, proposal, tokens[at:])
+        self._last = None
+        found = self.index.lookup() if k > 0 else None
+        if found is None:
             return Draft(EMPTY, None)
-        return Draft(torch.tensor(self.index.continuation(start, k), dtype=torch.long), None)
+        start, n = found
+        proposal = self.index.continuation(start, k)
+        self._last = (len(tokens), n, proposal)
+        confidence = tuple(self.stats.rate(n + j) for j in range(len(proposal)))
+        return Draft(torch.tensor(proposal, dtype=torch.long), None, confidence)

@@ -44,7 +44,7 @@ def drafter_factory(
     draft_model: str | None = None,
     capacity: int = 4096,
     *,
-    ngram_max: int = 3,
+    ngram_max: int = 8,
     ngram_min: int = 1,
     layers: Sequence[int] | None = None,
     tokenizer: Any | None = None,
