@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from specdecode.control import AlphaEstimate, Controller, CostModel, expected_tokens
+from specdecode.drafters.base import Draft
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.faults import FaultyDrafter
 from specdecode.drafters.registry import drafter_factory
-from specdecode.engine import BatchEngine, Generation, run_batch
+from specdecode.engine import BatchEngine, Generation, fit_width, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
@@ -233,3 +234,20 @@ def test_draft_catch_up_is_not_counted_as_a_cost_per_draft_token(
     gens = [Generation(target, None, PROMPT, params, SlowCatchUp(draft), 2) for _ in range(2)]
     run_batch(engine, gens)
     assert ctl.costs.draft_token_s is not None and ctl.costs.draft_token_s < 0.01
+
+
+def test_a_confident_draft_must_pay_for_widening_the_whole_batch() -> None:
+    """fit_width: a draft that pays alone (its expected tokens beat its width's cost) is cut when
+    it would widen a batch of 8 rows that have nothing to verify; a draft without confidences
+    is kept whole and sets the least width."""
+    costs = CostModel(target_s={(b, w): b * (1 + 0.2 * (w - 1)) for b in (1, 8)
+                                for w in range(1, 10)})
+    confident = Draft(torch.arange(4), None, (0.8, 0.8, 0.8, 0.8))
+    alone = fit_width([confident], costs)[0]
+    assert len(alone.tokens) == 4 and alone.confidence == confident.confidence
+    empty = Draft(torch.zeros(0, dtype=torch.long), None, ())
+    batch = fit_width([confident] + [empty] * 7, costs)
+    assert [len(d.tokens) for d in batch] == [0] * 8
+    fixed = Draft(torch.arange(2), None)  # e.g. a draft model's tokens: verified whatever
+    mixed = fit_width([confident, fixed] + [empty] * 6, costs)
+    assert [len(d.tokens) for d in mixed[:2]] == [2, 2]

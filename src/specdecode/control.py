@@ -46,20 +46,39 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_draft_length(confidence: Sequence[float], width_cost: Callable[[int], float]) -> int:
-    """How many tokens of a draft to verify: the prefix length k maximising expected tokens per
-    unit of cost, E(k) / width_cost(k + 1), where E(k) = 1 + sum_{i<=k} prod_{j<=i} confidence[j]
-    (confidence[j]: probability token j is accepted given the ones before it were) and
-    width_cost(T) is the cost of a target forward scoring T positions. 0 = verify none."""
-    best_k, best_rate = 0, 1.0 / width_cost(1)
-    emitted, survive = 1.0, 1.0
-    for k, c in enumerate(confidence, start=1):
-        survive *= c
-        emitted += survive
-        rate = emitted / width_cost(k + 1)
+def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int], float],
+               floor: int = 1, fixed_tokens: float = 0.0) -> int:
+    """The verification width T for a batch step whose drafts carry per-token confidences
+    (confidence[j]: probability token j is accepted given the ones before it were).
+
+    One target forward scores every row at the widest row's width, so the choice is one T for
+    the batch: the T >= floor maximising expected tokens per unit of cost,
+    (fixed_tokens + sum_i E_i(min(len_i, T - 1))) / width_cost(T), where
+    E(k) = 1 + sum_{i<=k} prod_{j<=i} confidence[j] and width_cost(T) is the cost of the
+    forward at width T. `floor` and `fixed_tokens` account for rows whose drafts are kept whole
+    (drafts without confidences: T at least their width; their tokens a constant). Each draft
+    is then cut to T - 1 tokens. For one request this is the draft length that pays best; in a
+    batch a row widens everyone's step, so a draft must pay for the whole batch's extra cost.
+    """
+    longest = max((len(c) for c in confidences), default=0)
+    best_t, best_rate = floor, -1.0
+    for t in range(floor, max(floor, longest + 1) + 1):
+        emitted = fixed_tokens
+        for conf in confidences:
+            emitted += 1.0
+            survive = 1.0
+            for c in conf[: t - 1]:
+                survive *= c
+                emitted += survive
+        rate = emitted / width_cost(t)
         if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+            best_t, best_rate = t, rate
+    return best_t
+
+
+def best_draft_length(confidence: Sequence[float], width_cost: Callable[[int], float]) -> int:
+    """For one request: how many tokens of its draft to verify (best_width - 1; 0 = none)."""
+    return best_width([confidence], width_cost) - 1
 
 
 @dataclass

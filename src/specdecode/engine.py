@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from specdecode.control import AlphaEstimate, Controller, CostModel, best_draft_length
+from specdecode.control import AlphaEstimate, Controller, CostModel, best_width
 from specdecode.drafters.base import Draft, Drafter, wants_hidden
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
@@ -109,7 +109,6 @@ class Generation:
         # measured target forward times t(B, T): they decide how much of a draft that carries
         # per-token confidences is verified (a BatchEngine swaps in its own)
         self.costs = costs if costs is not None else CostModel()
-        self.batch = 1  # rows of the target forward this request's steps run in
 
     @property
     def prefilled(self) -> bool:
@@ -155,7 +154,7 @@ class Generation:
         if not self.prefilled:
             self.prefill()
         t0 = time.perf_counter_ns()
-        draft = self.propose()  # 1. propose
+        draft = fit_width([self.propose()], self.costs)[0]  # 1. propose
         t1 = time.perf_counter_ns()
         logits, hidden = score(self.model, self.fed(draft)[None], self.cache,
                                self.wants_hidden)  # 2. score: (1, k+1, V)
@@ -179,10 +178,8 @@ class Generation:
         with torch.inference_mode():
             draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
         self.catch_up_ns = int(getattr(self.drafter, "catch_up_ns", 0))
-        if draft.confidence is not None:  # verify only the prefix expected to pay
-            k = min(k, best_draft_length(draft.confidence[:k],
-                                         lambda width: self.costs.target(self.batch, width)))
-        return Draft(draft.tokens[:k].to(torch.long), None if draft.q is None else draft.q[:k])
+        return Draft(draft.tokens[:k].to(torch.long), None if draft.q is None else draft.q[:k],
+                     None if draft.confidence is None else draft.confidence[:k])
 
     def finish_step(self, logits: torch.Tensor, draft: Draft,
                     hidden: torch.Tensor | None = None) -> StepOutput:
@@ -385,10 +382,11 @@ class BatchEngine:
         drafts = []
         start = time.perf_counter_ns()
         for gen, k in zip(self.active, ks, strict=True):
-            gen.next_k, gen.batch = k, len(self.active)
+            gen.next_k = k
             t0 = time.perf_counter_ns()
             drafts.append(gen.propose())
             gen.counters.draft_ns += time.perf_counter_ns() - t0
+        drafts = fit_width(drafts, self.costs)
         drafted = sum(len(d.tokens) for d in drafts)
         if self.controller is not None and drafted:
             catch_up = sum(g.catch_up_ns for g in self.active)
@@ -417,6 +415,21 @@ class BatchEngine:
             gen.counters.target_ns += elapsed
         self.costs.observe_target(n, width, elapsed / 1e9)
         return logits, hidden
+
+
+def fit_width(drafts: list[Draft], costs: CostModel) -> list[Draft]:
+    """Cut a batch step's drafts to the verification width that pays (control.best_width, from
+    the measured t(B, T)); drafts without confidences are kept whole, setting the least width."""
+    if all(d.confidence is None for d in drafts):
+        return drafts
+    kept = [len(d.tokens) for d in drafts if d.confidence is None]
+    width = best_width([d.confidence for d in drafts if d.confidence is not None],
+                       lambda t: costs.target(len(drafts), t),
+                       floor=max(kept, default=0) + 1,
+                       fixed_tokens=float(sum(k + 1 for k in kept)))
+    return [d if d.confidence is None or len(d.tokens) < width else
+            Draft(d.tokens[: width - 1], None if d.q is None else d.q[: width - 1],
+                  d.confidence[: width - 1]) for d in drafts]
 
 
 def score(model: Any, tokens: torch.Tensor, cache: Any, want_hidden: bool,
