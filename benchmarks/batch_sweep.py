@@ -8,10 +8,13 @@ n-gram drafter (drafting costs almost nothing, so what decides is verification a
 - writing, temperature 1.0: Spec-Bench's writing prompts (cycled with distinct seeds) - low.
 
 Every configuration runs the same B requests in one BatchEngine (prompts prefilled before the
-clock starts; the same for every configuration). Printed per cell: throughput (emitted tokens/s
-of the whole batch), its ratio to plain, ITL p50 / p99 (ms per token; a step that emits m tokens
-counts its time once and m-1 zeros, as the report does), accepted/drafted, and memory (target
-weights, draft weights, target KV, draft KV, peak RSS). Then, per workload, the batch size from
+clock starts; the same for every configuration). auto's controller starts cold in each batch
+size's first round (its t(B, T) table calibrated at the prompts' mean length, alpha at the
+prior) and keeps what it learned into the later rounds, as a server's controller does.
+Printed per cell: throughput (emitted tokens/s of the whole batch), its ratio to plain, ITL
+p50 / p99 (ms per token; a step that emits m tokens counts its time once and m-1 zeros, as the
+report does), accepted/drafted, and memory (target weights, draft weights, target KV, draft KV,
+peak RSS). Then, per workload, the batch size from
 which the best fixed k no longer beats plain.
 
     python benchmarks/batch_sweep.py [--batches 1,2,4,8,16,32] [--max-tokens 48] [--out F.json]
@@ -108,8 +111,9 @@ def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens:
     its throughput ratio to the same round's plain run, with min-max, and pooled ITLs."""
     templates = prefilled(loaded, texts, temperature, max_tokens)
     run_cell(loaded, templates[:1], 2, None)  # warm-up
-    controller = Controller(kmax=KMAX, costs=calibrated_costs(loaded.model, [len(texts)],
-                                                              KMAX, repeats=2))
+    context = round(statistics.mean(t.prompt_len for t in templates))
+    controller = Controller(kmax=KMAX, costs=calibrated_costs(
+        loaded.model, [len(texts)], KMAX, context=context, repeats=2))
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in CONFIGS}
     for r in range(rounds):
         order = CONFIGS[r % len(CONFIGS):] + CONFIGS[: r % len(CONFIGS)]

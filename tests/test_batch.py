@@ -251,3 +251,27 @@ def test_a_confident_draft_must_pay_for_widening_the_whole_batch() -> None:
     fixed = Draft(torch.arange(2), None)  # e.g. a draft model's tokens: verified whatever
     mixed = fit_width([confident, fixed] + [empty] * 6, costs)
     assert [len(d.tokens) for d in mixed[:2]] == [2, 2]
+
+
+class _AlwaysOff(Controller):
+    def choose(self, alphas: list[AlphaEstimate]) -> list[int]:
+        return [0] * len(alphas)
+
+
+def test_drafters_with_confidences_are_fitted_not_switched_off(smollm: LoadedModel) -> None:
+    """Under a controller, an n-gram drafter (fits_width) proposes up to its k and fit_width
+    keeps what pays; a drafter without confidences gets the controller's k (here 0)."""
+    tok = smollm.tokenizer
+    text = "Repeat exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu."
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+    params = SamplingParams(max_tokens=24)
+    costs = CostModel(target_s={(2, w): 1.0 for w in range(1, 10)}, draft_token_s=0.0)
+    ngram, int8 = drafter_factory("ngram", smollm.model), drafter_factory("int8", smollm.model)
+    assert ngram is not None and int8 is not None
+    engine = BatchEngine(smollm.model, 2, 160, controller=_AlwaysOff(kmax=6, costs=costs))
+    gens = [Generation(smollm.model, None, ids, params, make(), 6, tok.eos_ids)
+            for make in (ngram, int8)]
+    run_batch(engine, gens)
+    assert gens[0].counters.drafted > 0 and gens[1].counters.drafted == 0
+    for gen in gens:
+        assert gen.output == _solo(smollm, ids, params)

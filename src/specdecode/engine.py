@@ -373,10 +373,15 @@ class BatchEngine:
         gen.cache = None
 
     def _choose_k(self) -> list[int]:
+        """Draft budgets: the controller's choice, except for drafters whose drafts carry
+        confidences (`fits_width`): they propose up to their k for free and fit_width keeps what
+        pays, from their per-token confidences, which predict acceptance better than a running
+        alpha."""
         if self.controller is None:
             return [g.k for g in self.active]
         ks = self.controller.choose([self.alphas[id(g)] for g in self.active])
-        return [min(k, g.k) for k, g in zip(ks, self.active, strict=True)]
+        return [g.k if getattr(g.drafter, "fits_width", False) else min(k, g.k)
+                for k, g in zip(ks, self.active, strict=True)]
 
     def _propose(self, ks: list[int]) -> list[Draft]:
         drafts = []

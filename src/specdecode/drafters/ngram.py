@@ -104,6 +104,8 @@ class MatchStats:
 class NgramDrafter:
     """Prompt-lookup drafter (one per request): longest suffix match first, most recent match."""
 
+    fits_width = True  # drafts carry confidences; proposing costs ~nothing (engine.fit_width)
+
     def __init__(self, max_n: int = 8, min_n: int = 1, name: str = "ngram") -> None:
         if not 1 <= min_n <= max_n:
             raise SpecDecodeError(
