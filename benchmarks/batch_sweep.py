@@ -7,8 +7,12 @@ n-gram drafter (drafting costs almost nothing, so what decides is verification a
   a batch of 32 prefills in reasonable time on 2 cores) - high acceptance;
 - writing, temperature 1.0: Spec-Bench's writing prompts (cycled with distinct seeds) - low.
 
-Every configuration runs the same B requests in one BatchEngine (prompts prefilled before the
-clock starts; the same for every configuration). auto's controller starts cold in each batch
+Batch size B is the engine's number of slots: every configuration runs the same 2B requests
+(`--requests-per-slot`) through one BatchEngine of B rows, a finished request's row taken by
+the next waiting one (continuous batching, as a loaded server runs; with only B requests the
+batch would drain as requests finish at different steps, a tail that penalises speculation and
+that a loaded server does not have). Prompts are prefilled before the clock starts, the same for
+every configuration. auto's controller starts cold in each batch
 size's first round (its t(B, T) table calibrated at the prompts' mean length, alpha at the
 prior) and keeps what it learned into the later rounds, as a server's controller does.
 Printed per cell: throughput (emitted tokens/s of the whole batch), its ratio to plain, ITL
@@ -27,6 +31,7 @@ import json
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,7 @@ import torch
 from specdecode.control import Controller, calibrated_costs
 from specdecode.costs import hardware
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation
 from specdecode.models.loading import load_model
 from specdecode.sampling import SamplingParams
@@ -67,16 +73,18 @@ def prefilled(loaded: Any, texts: list[str], temperature: float, max_tokens: int
 
 
 def run_cell(loaded: Any, templates: list[Generation], k: int | str,
-             controller: Controller | None) -> dict[str, Any]:
+             controller: Controller | None, batch: int,
+             make: Callable[[], Any] | None = None) -> dict[str, Any]:
     model = loaded.model
+    make = make or NgramDrafter
     gens = []
     for t in templates:
         kk = KMAX if k == "auto" else int(k)
         gen = Generation(model, None, t.context[: t.prompt_len], t.params,
-                         NgramDrafter() if kk else None, kk, loaded.tokenizer.eos_ids)
+                         make() if kk else None, kk, loaded.tokenizer.eos_ids)
         gen.adopt_prefill(t)
         gens.append(gen)
-    engine = BatchEngine(model, len(gens), max(g.capacity for g in gens),
+    engine = BatchEngine(model, batch, max(g.capacity for g in gens),
                          controller if k == "auto" else None)
     for gen in gens:
         engine.submit(gen)
@@ -106,19 +114,23 @@ def pct(xs: list[float], q: int) -> float:
 
 
 def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens: int,
-                  rounds: int) -> list[dict[str, Any]]:
+                  rounds: int, batch: int) -> list[dict[str, Any]]:
     """Every config `rounds` times, the order rotated each round; per config: the median of
     its throughput ratio to the same round's plain run, with min-max, and pooled ITLs."""
     templates = prefilled(loaded, texts, temperature, max_tokens)
-    run_cell(loaded, templates[:1], 2, None)  # warm-up
+    run_cell(loaded, templates[:1], 2, None, 1)  # warm-up
     context = round(statistics.mean(t.prompt_len for t in templates))
     controller = Controller(kmax=KMAX, costs=calibrated_costs(
-        loaded.model, [len(texts)], KMAX, context=context, repeats=2))
+        loaded.model, [batch], KMAX, context=context, repeats=2))
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in CONFIGS}
+    # one drafter factory per configuration, kept over its rounds (its drafters share what
+    # they learn of acceptance by match length, as a server's do)
+    makers = {label: drafter_factory("ngram", loaded.model) for label, _ in CONFIGS}
     for r in range(rounds):
         order = CONFIGS[r % len(CONFIGS):] + CONFIGS[: r % len(CONFIGS)]
         for label, k in order:
-            runs[label].append(run_cell(loaded, templates, k, controller))
+            runs[label].append(run_cell(loaded, templates, k, controller, batch,
+                                        makers[label]))
     cells = []
     for label, _ in CONFIGS:
         rs = runs[label]
@@ -141,6 +153,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests-per-slot", type=int, default=2,
+                    help="requests per cell = this x the batch size, through B slots")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -163,8 +177,9 @@ def main() -> None:
         print(f"{'batch':>5} {'config':>6} {'tok/s':>8} {'x plain (min-max)':>18} "
               f"{'ITL p50':>8} {'ITL p99':>8} {'acc/dr':>6} {'target KV':>9} {'peak RSS':>8}")
         for batch in batches:
-            texts = prompts(category, batch, cut)
-            for cell in measure_batch(loaded, texts, temperature, args.max_tokens, args.rounds):
+            texts = prompts(category, args.requests_per_slot * batch, cut)
+            for cell in measure_batch(loaded, texts, temperature, args.max_tokens, args.rounds,
+                                      batch):
                 cell.update(workload=name, batch=batch)
                 results.append(cell)
                 acc = cell["accepted_per_drafted"]

@@ -14,17 +14,17 @@ With a common verification width T = K + 1 for the batch, request i drafting k_i
 emits E(k_i) = (1 - alpha_i^(k_i+1)) / (1 - alpha_i) tokens in expectation (Leviathan et al. 2023),
 so the batch rate is sum_i E(k_i) / (draft_s * sum_i k_i + t(B, K + 1)). For each K the controller
 picks each k_i by its marginal value against the current best rate, then keeps the best K. K = 0 is
-plain decoding, chosen whenever nothing else is expected to pay: at low alpha, or when the batch
-is large enough that scoring more positions is no longer nearly free. A request whose speculation
-is off drafts one token every `probe_every` steps (all such requests in the same step, so a
-probe widens one batch step, not many) so its alpha keeps being measured and speculation comes
-back when it pays again. Probes cost something (a wider step, and a draft model catching up
-with the tokens committed meanwhile), so they back off: each probe after which speculation
-stays off doubles the interval (up to `max_probe_every`), and none is made while even a draft
-accepted with probability `PROBE_ALPHA` could not pay at this batch size. The drafting cost
-counts draft steps only: a draft model's catching up with the context (its prompt, or the
-tokens committed while it was off) is a one-off cost of turning speculation on, not a cost per
-token, and is left out of `draft_token_s`.
+plain decoding, chosen whenever nothing else is expected to beat it by PAY_MARGIN: at low alpha,
+or when the batch is large enough that scoring more positions is no longer nearly free. A
+request whose speculation is off drafts one token every `probe_every` steps (all such requests in
+the same step, so a probe widens one batch step, not many) so its alpha keeps being measured and
+speculation comes back when it pays again. Probes cost something (a wider step, and a draft
+model catching up with the tokens committed meanwhile), so they back off: each probe after
+which speculation stays off doubles the interval (up to `max_probe_every`), and none is made
+while even a draft accepted with probability `PROBE_ALPHA` could not pay at this batch size.
+The drafting cost counts draft steps only: a draft model's catching up with the context (its
+prompt, or the tokens committed while it was off) is a one-off cost of turning speculation on,
+not a cost per token, and is left out of `draft_token_s`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_PRIOR = 0.6
+# Speculating must be expected to beat plain decoding by this fraction: the cost model is
+# measured, not exact (noise, and per-row verification work besides the forward pass), and a
+# wrong "on" costs the batch's every row, a wrong "off" only the gain.
+PAY_MARGIN = 0.05
 PRIOR_SLOPE = 0.1  # past the widest measured width: each more position costs this x t(B, 1)
 PROBE_ALPHA = 0.95  # the acceptance a probe hopes to find; if even it cannot pay, no probe
 
@@ -47,7 +51,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int], float],
-               floor: int = 1, fixed_tokens: float = 0.0) -> int:
+               floor: int = 1, fixed_tokens: float = 0.0, margin: float = PAY_MARGIN) -> int:
     """The verification width T for a batch step whose drafts carry per-token confidences
     (confidence[j]: probability token j is accepted given the ones before it were).
 
@@ -55,13 +59,14 @@ def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int
     the batch: the T >= floor maximising expected tokens per unit of cost,
     (fixed_tokens + sum_i E_i(min(len_i, T - 1))) / width_cost(T), where
     E(k) = 1 + sum_{i<=k} prod_{j<=i} confidence[j] and width_cost(T) is the cost of the
-    forward at width T. `floor` and `fixed_tokens` account for rows whose drafts are kept whole
+    forward at width T, provided it beats the least width by `margin`. `floor` and
+    `fixed_tokens` account for rows whose drafts are kept whole
     (drafts without confidences: T at least their width; their tokens a constant). Each draft
     is then cut to T - 1 tokens. For one request this is the draft length that pays best; in a
     batch a row widens everyone's step, so a draft must pay for the whole batch's extra cost.
     """
     longest = max((len(c) for c in confidences), default=0)
-    best_t, best_rate = floor, -1.0
+    rates = {}
     for t in range(floor, max(floor, longest + 1) + 1):
         emitted = fixed_tokens
         for conf in confidences:
@@ -70,15 +75,15 @@ def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int
             for c in conf[: t - 1]:
                 survive *= c
                 emitted += survive
-        rate = emitted / width_cost(t)
-        if rate > best_rate:
-            best_t, best_rate = t, rate
-    return best_t
+        rates[t] = emitted / width_cost(t)
+    best_t = max(rates, key=lambda t: (rates[t], -t))
+    return best_t if rates[best_t] > rates[floor] * (1 + margin) else floor
 
 
-def best_draft_length(confidence: Sequence[float], width_cost: Callable[[int], float]) -> int:
+def best_draft_length(confidence: Sequence[float], width_cost: Callable[[int], float],
+                      margin: float = PAY_MARGIN) -> int:
     """For one request: how many tokens of its draft to verify (best_width - 1; 0 = none)."""
-    return best_width([confidence], width_cost) - 1
+    return best_width([confidence], width_cost, margin=margin) - 1
 
 
 @dataclass
@@ -205,8 +210,8 @@ class Controller:
     def _best(self, alphas: list[float], draft_s: float) -> list[int]:
         """The k per request maximising the batch's expected tokens per second."""
         batch = len(alphas)
-        best_rate = batch / self.costs.target(batch, 1)
-        best = [0] * batch
+        plain_rate = batch / self.costs.target(batch, 1)
+        best_rate, best = plain_rate, [0] * batch
         for width_k in range(1, self.kmax + 1):
             ks = [_best_k(a, width_k, best_rate * draft_s) for a in alphas]
             if max(ks) == 0:
@@ -215,7 +220,7 @@ class Controller:
             rate = emitted / (draft_s * sum(ks) + self.costs.target(batch, max(ks) + 1))
             if rate > best_rate:
                 best_rate, best = rate, ks
-        return best
+        return best if best_rate > plain_rate * (1 + PAY_MARGIN) else [0] * batch
 
 
 def _best_k(alpha: float, width_k: int, token_cost: float) -> int:

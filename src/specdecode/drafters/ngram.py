@@ -74,8 +74,8 @@ STATS_CAP = 8  # match lengths >= this share one rate
 class MatchStats:
     """Acceptance rate of proposed tokens by the match length behind them (integer counts).
 
-    rate(m) = (accepted + w * prior) / (proposed + w), prior m / (m + 1.5): a guess that the first
-    verified tokens correct (0.4 for m = 1, 0.84 for m = 8), worth `prior_weight` observations.
+    rate(m) = (accepted + w * prior) / (proposed + w), prior m / (m + 2): a guess that the first
+    verified tokens correct (0.33 for m = 1, 0.8 for m = 8), worth `prior_weight` observations.
     """
 
     def __init__(self, prior_weight: float = 4.0) -> None:
@@ -85,7 +85,7 @@ class MatchStats:
 
     def rate(self, m: int) -> float:
         m = min(m, STATS_CAP)
-        prior = m / (m + 1.5)
+        prior = m / (m + 2)
         return (self.accepted[m] + self.prior_weight * prior) / (self.proposed[m] +
                                                                  self.prior_weight)
 
@@ -106,7 +106,8 @@ class NgramDrafter:
 
     fits_width = True  # drafts carry confidences; proposing costs ~nothing (engine.fit_width)
 
-    def __init__(self, max_n: int = 8, min_n: int = 1, name: str = "ngram") -> None:
+    def __init__(self, max_n: int = 8, min_n: int = 1, name: str = "ngram",
+                 stats: MatchStats | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise SpecDecodeError(
                 f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}"
@@ -114,12 +115,16 @@ class NgramDrafter:
         self.name = name
         self.max_n, self.min_n = max_n, min_n
         self.index = NgramIndex(max_n, min_n)
-        self.stats = MatchStats()
+        # the acceptance rates by match length: shared by the requests of one factory (they
+        # outlive each request, as a server's traffic does), else this request's own
+        self.shared = stats is not None
+        self.stats = stats if stats is not None else MatchStats()
         self._last: tuple[int, int, list[int]] | None = None  # (at, n, proposal) to score
 
     def reset(self) -> None:
         self.index = NgramIndex(self.max_n, self.min_n)
-        self.stats = MatchStats()
+        if not self.shared:
+            self.stats = MatchStats()
         self._last = None
 
     def _sync(self, context: list[int]) -> None:

@@ -67,10 +67,11 @@ def drafter_factory(
         return None
     check_batch_invariant(getattr(target, "precision", "fp32"))
     if name == "ngram":
-        from specdecode.drafters.ngram import NgramDrafter
+        from specdecode.drafters.ngram import MatchStats, NgramDrafter
 
         NgramDrafter(ngram_max, ngram_min)  # check the sizes now, not at the first request
-        return lambda: NgramDrafter(ngram_max, ngram_min)
+        stats = MatchStats()  # acceptance by match length, learned across this factory's requests
+        return lambda: NgramDrafter(ngram_max, ngram_min, stats=stats)
     if name == "layerskip":
         from specdecode.drafters.layerskip import (
             LayerSkipDrafter,
