@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.control import CostModel, best_draft_length
+from specdecode.control import Controller, CostModel, best_draft_length
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.ngram import MatchStats, NgramDrafter
 from specdecode.drafters.registry import drafter_factory
-from specdecode.engine import Generation
+from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import LoadedModel, load_native
@@ -330,20 +330,22 @@ def test_best_draft_length_weighs_expected_tokens_against_verification_cost() ->
 def test_the_engine_verifies_only_the_drafts_that_pay(
     smollm: LoadedModel, code_plain: tuple[list[int], list[int]]
 ) -> None:
-    """With verification made dear in the cost model, confident n-gram drafts are cut to none
-    (output unchanged); with it cheap they are verified."""
+    """Under the controller (--k auto), with verification made dear in its cost model, confident
+    n-gram drafts are cut to none (output unchanged); with it cheap they are verified. A fixed k
+    verifies every proposed token whatever the cost."""
     prompt, plain = code_plain
-    dear, cheap = CostModel(), CostModel()
-    dear.target_s = {(1, 1): 1.0, **{(1, w): 100.0 for w in range(2, 10)}}
-    cheap.target_s = {(1, w): 1.0 for w in range(1, 10)}
+    dear = {(1, 1): 1.0, **{(1, w): 100.0 for w in range(2, 10)}}
+    cheap = {(1, w): 1.0 for w in range(1, 10)}
     runs = {}
-    for name, costs in (("dear", dear), ("cheap", cheap)):
+    for name, table in (("dear", dear), ("cheap", cheap)):
+        costs = CostModel(target_s=dict(table), draft_token_s=0.0)
+        costs.observe_target = lambda *a: None  # type: ignore[method-assign]  # keep the table
         gen = Generation(smollm.model, smollm.tokenizer, prompt, SamplingParams(max_tokens=16),
-                         NgramDrafter(), 8, smollm.tokenizer.eos_ids, costs=costs)
-        gen.costs.observe_target = lambda *a: None  # type: ignore[method-assign]  # keep them
-        for _ in gen.run():
-            pass
+                         NgramDrafter(), 8, smollm.tokenizer.eos_ids)
+        run_batch(BatchEngine(smollm.model, 1, gen.capacity,
+                              controller=Controller(kmax=8, costs=costs)), [gen])
         assert gen.output == plain[:16]
         runs[name] = gen.counters.drafted
     assert runs["dear"] == 0 and runs["cheap"] > 0
-
+    fixed = generate(smollm, prompt, 16, NgramDrafter(), 8)
+    assert fixed.output == plain[:16] and fixed.counters.drafted > 0

@@ -80,7 +80,6 @@ class Generation:
         k: int = 0,
         eos_ids: tuple[int, ...] = (),
         category: str | None = None,
-        costs: CostModel | None = None,
     ) -> None:
         params.validate(model.cfg.vocab_size)
         if not 0 <= k <= MAX_K:
@@ -106,9 +105,6 @@ class Generation:
         self.wants_hidden = wants_hidden(drafter)  # the drafter observes the target's features
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
         self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
-        # measured target forward times t(B, T): they decide how much of a draft that carries
-        # per-token confidences is verified (a BatchEngine swaps in its own)
-        self.costs = costs if costs is not None else CostModel()
 
     @property
     def prefilled(self) -> bool:
@@ -154,14 +150,13 @@ class Generation:
         if not self.prefilled:
             self.prefill()
         t0 = time.perf_counter_ns()
-        draft = fit_width([self.propose()], self.costs)[0]  # 1. propose
+        draft = self.propose()  # 1. propose
         t1 = time.perf_counter_ns()
         logits, hidden = score(self.model, self.fed(draft)[None], self.cache,
                                self.wants_hidden)  # 2. score: (1, k+1, V)
         t2 = time.perf_counter_ns()
         self.counters.draft_ns += t1 - t0
         self.counters.target_ns += t2 - t1
-        self.costs.observe_target(1, len(draft.tokens) + 1, (t2 - t1) / 1e9)
         return self.finish_step(logits[0], draft, None if hidden is None else hidden[0])
 
     def fed(self, draft: Draft) -> torch.Tensor:
@@ -270,7 +265,6 @@ class BatchEngine:
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.cache = model.new_cache(max_batch, max_seq_len)
         self.controller = controller
-        self.costs = controller.costs if controller is not None else CostModel()
         self.prefill_chunk = prefill_chunk
         self.active: list[Generation] = []  # active[i] decodes in cache row i
         self.joining: deque[Generation] = deque()  # prefilling in their own caches
@@ -354,7 +348,7 @@ class BatchEngine:
         self.cache.k[:, row, :, :n] = gen.cache.k[:, 0, :, :n]
         self.cache.v[:, row, :, :n] = gen.cache.v[:, 0, :, :n]
         self.cache.lengths[row] = n
-        gen.cache, gen.row, gen.costs = self.cache, row, self.costs
+        gen.cache, gen.row = self.cache, row
         self.active.append(gen)
 
     def _leave(self, gen: Generation) -> None:
@@ -373,10 +367,10 @@ class BatchEngine:
         gen.cache = None
 
     def _choose_k(self) -> list[int]:
-        """Draft budgets: the controller's choice, except for drafters whose drafts carry
-        confidences (`fits_width`): they propose up to their k for free and fit_width keeps what
-        pays, from their per-token confidences, which predict acceptance better than a running
-        alpha."""
+        """Draft budgets: a fixed k, or the controller's choice, except for drafters whose drafts
+        carry confidences (`fits_width`): under the controller they propose up to their k for
+        free and fit_width keeps what pays, from their per-token confidences, which predict
+        acceptance better than a running alpha."""
         if self.controller is None:
             return [g.k for g in self.active]
         ks = self.controller.choose([self.alphas[id(g)] for g in self.active])
@@ -391,7 +385,8 @@ class BatchEngine:
             t0 = time.perf_counter_ns()
             drafts.append(gen.propose())
             gen.counters.draft_ns += time.perf_counter_ns() - t0
-        drafts = fit_width(drafts, self.costs)
+        if self.controller is not None:  # --k auto: verify what pays; a fixed k is kept
+            drafts = fit_width(drafts, self.controller.costs)
         drafted = sum(len(d.tokens) for d in drafts)
         if self.controller is not None and drafted:
             catch_up = sum(g.catch_up_ns for g in self.active)
@@ -418,7 +413,8 @@ class BatchEngine:
         self.cache.lengths[:n] = view.lengths
         for gen in self.active:
             gen.counters.target_ns += elapsed
-        self.costs.observe_target(n, width, elapsed / 1e9)
+        if self.controller is not None:
+            self.controller.costs.observe_target(n, width, elapsed / 1e9)
         return logits, hidden
 
 

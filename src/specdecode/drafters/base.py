@@ -24,8 +24,9 @@ class Draft:
     tokens: torch.Tensor  # (k,) int64 proposed token ids
     q: torch.Tensor | None  # (k, V) float32 draft distributions, or None (deterministic draft)
     # Optional: per token, the drafter's estimate of the probability that it is accepted given
-    # that the tokens before it were. With it the engine drafts only the prefix that is expected
-    # to pay for its verification (control.best_draft_length); without it, every token is kept.
+    # that the tokens before it were. Under the controller (--k auto) the engine then verifies
+    # only the prefix expected to pay for its width (engine.fit_width); with a fixed k, or
+    # without confidences, every proposed token is verified.
     confidence: tuple[float, ...] | None = None
 
 
