@@ -7,8 +7,10 @@ It maximises the expected tokens per second of the whole batch from three measur
   its category (every request's verified positions also update its category's estimate, more
   slowly), so a short request starts from what its kind of traffic has shown, not a guess;
 - draft cost: seconds to draft one token (a running average of measured drafting time);
-- target cost t(B, T): seconds of one target forward over B rows of T positions, from a table
-  measured before serving (costs.forward_costs) and refreshed by every measured step.
+- target cost t(B, T): seconds of one step over B rows of T positions, from a table of forward
+  passes measured before serving (costs.forward_costs), refreshed by every step the engine runs,
+  timed from the forward to the end of every row's verification and commit (per-row work that
+  grows with B and T, and that a forward-only table leaves out).
 
 With a common verification width T = K + 1 for the batch, request i drafting k_i <= K tokens
 emits E(k_i) = (1 - alpha_i^(k_i+1)) / (1 - alpha_i) tokens in expectation (Leviathan et al. 2023),

@@ -306,6 +306,7 @@ class BatchEngine:
             return []
         ks = self._choose_k()
         drafts = self._propose(ks)
+        start = time.perf_counter_ns()
         logits, hidden = self._score(drafts)
         outputs = []
         for i, (gen, draft) in enumerate(zip(list(self.active), drafts, strict=True)):
@@ -317,6 +318,11 @@ class BatchEngine:
                 assert self.controller is not None  # estimates exist only under a controller
                 self.controller.observe(gen.category, gen.last_alphas)
             outputs.append((gen, out))
+        if self.controller is not None:  # what a step of this width costs: the forward pass
+            # and every row's verification and commit (per-row work grows with the width)
+            self.controller.costs.observe_target(
+                len(drafts), max(len(d.tokens) for d in drafts) + 1,
+                (time.perf_counter_ns() - start) / 1e9)
         for gen, out in outputs:
             if out.finish_reason is not None:
                 self._leave(gen)
@@ -413,8 +419,6 @@ class BatchEngine:
         self.cache.lengths[:n] = view.lengths
         for gen in self.active:
             gen.counters.target_ns += elapsed
-        if self.controller is not None:
-            self.controller.costs.observe_target(n, width, elapsed / 1e9)
         return logits, hidden
 
 
