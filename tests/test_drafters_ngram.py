@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.control import Controller, CostModel, best_draft_length
+from specdecode.control import Controller, CostModel, best_width
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.ngram import MatchStats, NgramDrafter
 from specdecode.drafters.registry import drafter_factory
@@ -311,6 +311,13 @@ def test_confidence_follows_what_the_target_commits() -> None:
         assert draft.confidence is not None
     assert draft.confidence[0] < start / 2
     assert draft.confidence[0] == pytest.approx(drafter.stats.rate(3))
+
+
+def best_draft_length(confidence: list[float], width_cost: Callable[[int], float],
+                      margin: float | None = None) -> int:
+    """One request's verified draft length: control.best_width for a batch of one, minus 1."""
+    kwargs = {} if margin is None else {"margin": margin}
+    return best_width([confidence], width_cost, **kwargs) - 1
 
 
 def test_best_draft_length_weighs_expected_tokens_against_verification_cost() -> None:

@@ -82,12 +82,6 @@ def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int
     return best_t if rates[best_t] > rates[floor] * (1 + margin) else floor
 
 
-def best_draft_length(confidence: Sequence[float], width_cost: Callable[[int], float],
-                      margin: float = PAY_MARGIN) -> int:
-    """For one request: how many tokens of its draft to verify (best_width - 1; 0 = none)."""
-    return best_width([confidence], width_cost, margin=margin) - 1
-
-
 @dataclass
 class CostModel:
     """Measured seconds of a target forward t(B, T) and of drafting one token."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from specdecode.control import AlphaEstimate, Controller, CostModel, best_width
-from specdecode.drafters.base import Draft, Drafter, wants_hidden
+from specdecode.drafters.base import Draft, Drafter, fits_width, wants_hidden
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
@@ -320,9 +320,8 @@ class BatchEngine:
             outputs.append((gen, out))
         if self.controller is not None:  # what a step of this width costs: the forward pass
             # and every row's verification and commit (per-row work grows with the width)
-            self.controller.costs.observe_target(
-                len(drafts), max(len(d.tokens) for d in drafts) + 1,
-                (time.perf_counter_ns() - start) / 1e9)
+            self.controller.costs.observe_target(len(drafts), logits.shape[1],
+                                                 (time.perf_counter_ns() - start) / 1e9)
         for gen, out in outputs:
             if out.finish_reason is not None:
                 self._leave(gen)
@@ -380,7 +379,7 @@ class BatchEngine:
         if self.controller is None:
             return [g.k for g in self.active]
         ks = self.controller.choose([self.alphas[id(g)] for g in self.active])
-        return [g.k if getattr(g.drafter, "fits_width", False) else min(k, g.k)
+        return [g.k if fits_width(g.drafter) else min(k, g.k)
                 for k, g in zip(ks, self.active, strict=True)]
 
     def _propose(self, ks: list[int]) -> list[Draft]:

@@ -11,12 +11,13 @@ import torch
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Every tensor of a module's state, packed (int8) weights unpacked."""
+    """Every tensor of a module's state, packed (int8) weights unpacked, and every buffer, also
+    those left out of the state (derived copies such as the runner's gemv copies)."""
     out: list[torch.Tensor] = []
     for value in module.state_dict().values():
         items = value if isinstance(value, tuple) else (value,)
         out += [t for t in items if isinstance(t, torch.Tensor)]
-    return out
+    return out + list(module.buffers())
 
 
 def _pointer(t: torch.Tensor) -> int:

@@ -65,6 +65,13 @@ def wants_hidden(drafter: object) -> bool:
     return callable(getattr(drafter, "observe", None))
 
 
+def fits_width(drafter: object) -> bool:
+    """True when `drafter` declares `fits_width`: its drafts carry confidences and proposing
+    costs next to nothing, so under the controller it proposes up to its k and the engine keeps
+    what pays (engine.fit_width) instead of taking the controller's per-request k."""
+    return bool(getattr(drafter, "fits_width", False))
+
+
 def draw(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor, prompt_len: int,
          generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
     """One draft token from a drafter's (1, V) logits through the shared sampling pipeline:

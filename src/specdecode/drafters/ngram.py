@@ -104,7 +104,7 @@ class MatchStats:
 class NgramDrafter:
     """Prompt-lookup drafter (one per request): longest suffix match first, most recent match."""
 
-    fits_width = True  # drafts carry confidences; proposing costs ~nothing (engine.fit_width)
+    fits_width = True  # drafts carry confidences; proposing costs ~nothing (base.fits_width)
 
     def __init__(self, max_n: int = 8, min_n: int = 1, name: str = "ngram",
                  stats: MatchStats | None = None) -> None:
@@ -115,16 +115,13 @@ class NgramDrafter:
         self.name = name
         self.max_n, self.min_n = max_n, min_n
         self.index = NgramIndex(max_n, min_n)
-        # the acceptance rates by match length: shared by the requests of one factory (they
-        # outlive each request, as a server's traffic does), else this request's own
-        self.shared = stats is not None
+        # the acceptance rates by match length: they outlive a request (reset keeps them), and
+        # a factory passes one object to all its drafters, as a server's traffic shares them
         self.stats = stats if stats is not None else MatchStats()
         self._last: tuple[int, int, list[int]] | None = None  # (at, n, proposal) to score
 
     def reset(self) -> None:
         self.index = NgramIndex(self.max_n, self.min_n)
-        if not self.shared:
-            self.stats = MatchStats()
         self._last = None
 
     def _sync(self, context: list[int]) -> None:

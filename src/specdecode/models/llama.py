@@ -212,11 +212,10 @@ class LlamaModel(nn.Module):
         return self
 
     def weight_bytes(self) -> int:
-        """Bytes of weights held: tensors (each once) plus packed matrices."""
-        seen = {t.data_ptr(): t.numel() * t.element_size()
-                for t in [*self.parameters(), *self.buffers()]}
-        packed = sum(getattr(m, "nbytes", 0) for m in self.modules() if m is not self)
-        return sum(seen.values()) + packed
+        """Bytes of weights held: tensors (each once) plus packed matrices (memory.weight_bytes)."""
+        from specdecode.memory import weight_bytes
+
+        return weight_bytes(self)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see apply_rope), each (B, T, 1, D)."""

@@ -39,20 +39,15 @@ class LoadedModel:
         return str(self.model.backend)
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in _unique_tensors(self.model))
+        from specdecode.memory import weight_bytes
+
+        return weight_bytes(self.model)
 
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name, "source": str(self.source), "backend": self.backend,
             "precision": self.precision, "weight_bytes": self.weight_bytes(),
         }
-
-
-def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        seen.setdefault(t.data_ptr(), t)
-    return list(seen.values())
 
 
 def default_model_path() -> Path:
