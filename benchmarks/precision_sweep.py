@@ -1,7 +1,7 @@
 """Benchmark (not a test): each target precision's plain speed, v(k) curve and best lossless
 speculative configuration, with llama.cpp's plain decoding of the same GGUF where installed.
 
-Per precision (fp32, bf16, int8), batch 1:
+Per precision (fp32, bf16, int8, w8a16, w4a16), batch 1:
 
 1. `specdecode costs --context 512 --kmax 16`: the target's forward time scoring k positions
    after a 512-token context (medians of round-robin repeats), hence plain tokens/s = 1 / t(1)
@@ -9,13 +9,14 @@ Per precision (fp32, bf16, int8), batch 1:
 2. `specdecode tune` on Spec-Bench's summarization and coding prompts and on the built-in
    workload: every drafter x k measured against plain decoding, interleaved over the same
    prompts, with the audit verdict; the pick is the best lossless configuration. (Not for the
-   int8 target: it is not batch invariant, so no speculative mode on it is lossless.)
+   int8, w8a16 and w4a16 targets: they are not batch invariant, so no speculative mode on them
+   is lossless; see drafters.registry.check_batch_invariant.)
 
 In the same run, where the `llama-cpp-python` bindings are installed (optional: they compile
 llama.cpp on install), llama.cpp's plain decoding of the same GGUF at batch 1 (greedy, same
 prompts), so the ratios to it are measured side by side.
 
-    python benchmarks/precision_sweep.py [--precisions fp32,bf16,int8] [--prompts 4]
+    python benchmarks/precision_sweep.py [--precisions fp32,bf16,int8,w8a16,w4a16] [--prompts 4]
         [--max-tokens 48] [--threads 2] [--out DIR]
 """
 
@@ -33,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"
-# An int8 target is not batch invariant, so speculation on it is refused (drafters.registry):
-# it gets its cost curve and plain speed only.
+# int8, w8a16 and w4a16 targets are not batch invariant, so speculation on them is refused
+# (drafters.registry): they get their cost curve and plain speed only.
 DRAFTERS = {"fp32": "int8,ngram,layerskip", "bf16": "int8,ngram,layerskip"}
 
 
@@ -83,7 +84,7 @@ def specbench_subset(out: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--precisions", default="fp32,bf16,int8")
+    ap.add_argument("--precisions", default="fp32,bf16,int8,w8a16,w4a16")
     ap.add_argument("--prompts", type=int, default=4, help="tune prompts per workload")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)

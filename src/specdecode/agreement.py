@@ -9,7 +9,7 @@ KL(p_fp32 || p_candidate) in nats, averaged over positions.
 Free-running greedy agreement (how many generated tokens match) is lower than top-1 agreement:
 one disagreement sends the two continuations apart for good.
 
-    python -m specdecode.agreement [--model PATH] [--precisions bf16,int8] [--chunk 8]
+    python -m specdecode.agreement [--model PATH] [--precisions bf16,int8,w8a16,w4a16] [--chunk 8]
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def agreement(
 
 
 def precision_agreement(
-    model: Any, tokenizer: Any, precisions: Sequence[str] = ("bf16", "int8"),
+    model: Any, tokenizer: Any, precisions: Sequence[str] = ("bf16", "int8", "w8a16", "w4a16"),
     text: str = BUILTIN_TEXT, chunk: int = 8,
 ) -> list[Agreement]:
     """Each precision's agreement with `model` (an fp32 native runner) on `text`."""
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdecode.agreement", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--precisions", default="bf16,int8")
+    p.add_argument("--precisions", default="bf16,int8,w8a16,w4a16")
     p.add_argument("--chunk", type=int, default=8)
     args = p.parse_args(argv)
     loaded = load_model(args.model, "fp32", "native")

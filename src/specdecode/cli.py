@@ -15,7 +15,8 @@ from specdecode.errors import SpecDecodeError
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | int8 (default fp32)")
+    p.add_argument("--precision", default="fp32",
+                   help="fp32 | bf16 | int8 | w8a16 | w4a16 (default fp32)")
     p.add_argument("--backend", default="auto",
                    help="auto | native | transformers (auto: native where the family has one)")
 

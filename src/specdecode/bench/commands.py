@@ -189,11 +189,11 @@ def default_configs_text() -> str:
 
 
 def check_invariant_target(precision: str, configs: Sequence[ConfigSpec]) -> None:
-    """Refuse speculative configurations on an int8 target before anything is measured (see
-    drafters.registry.check_batch_invariant for why)."""
-    if precision == "int8" and any(not c.is_plain for c in configs):
-        from specdecode.drafters.registry import check_batch_invariant
+    """Refuse speculative configurations on a target that is not batch invariant (int8, w8a16,
+    w4a16) before anything is measured (see drafters.registry.check_batch_invariant)."""
+    from specdecode.drafters.registry import NOT_BATCH_INVARIANT, check_batch_invariant
 
+    if precision in NOT_BATCH_INVARIANT and any(not c.is_plain for c in configs):
         check_batch_invariant(precision)
 
 
@@ -583,7 +583,8 @@ def cmd_tune(args: argparse.Namespace, out: TextIO | None = None,
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | int8 (default fp32)")
+    p.add_argument("--precision", default="fp32",
+                   help="fp32 | bf16 | int8 | w8a16 | w4a16 (default fp32)")
     p.add_argument("--backend", default="auto", help="auto | native | transformers")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice; stated in the report)")

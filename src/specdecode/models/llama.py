@@ -8,7 +8,8 @@ subset of blocks for layer-skipping self-speculation.
 Weights use Hugging Face names and layouts (q/k rows in rotate-half RoPE order); q/k/v and
 gate/up projections are fused into one matmul each, and RoPE rotates q and k together, to cut
 per-layer overhead. Activations, norms, softmax and the KV cache are fp32 at every precision;
-`with_precision` swaps the weight matrices for bf16 or int8 kernels (models.precision).
+`with_precision` swaps the weight matrices for bf16, int8 or weight-only (w8a16, w4a16) kernels
+(models.precision).
 """
 
 from __future__ import annotations
@@ -184,9 +185,14 @@ class LlamaModel(nn.Module):
         )
 
     def with_precision(self, precision: str) -> LlamaModel:
-        """A copy whose weight matrices run at `precision` ("bf16" or "int8", see
-        models.precision); norms are shared with self, which is left unchanged."""
+        """A copy whose weight matrices run at `precision` (see models.precision); norms are
+        shared with self, which is left unchanged."""
         from specdecode.models import precision as prec
+
+        def matrix(w: torch.Tensor, b: torch.Tensor | None) -> nn.Module:
+            if precision in prec.WEIGHT_ONLY:
+                return prec.WeightOnlyLinear(precision, w, b)
+            return prec.PackedLinear(precision, w, b)
 
         with torch.device("meta"):
             new = LlamaModel(self.cfg)
@@ -195,11 +201,12 @@ class LlamaModel(nn.Module):
         for src, dst in zip(self.layers, new.layers, strict=True):
             dst.attn_norm, dst.mlp_norm = src.attn_norm, src.mlp_norm
             for name in ("qkv", "o", "gate_up", "down"):
-                w, b = prec.float_weight(getattr(src, name))
-                setattr(dst, name, prec.PackedLinear(precision, w, b))
+                setattr(dst, name, matrix(*prec.float_weight(getattr(src, name))))
         embed = prec.float_weight(self.embed)[0]
-        new.embed = prec.Bf16Embedding(embed) if precision == "bf16" else prec.Int8Embedding(embed)
-        new.lm_head = prec.PackedLinear(precision, prec.float_weight(self.lm_head)[0], None)
+        head = prec.float_weight(self.lm_head)[0]
+        bf16_ends = precision in ("bf16", *prec.WEIGHT_ONLY)  # fp32 logits from bf16 weights
+        new.embed = prec.Bf16Embedding(embed) if bf16_ends else prec.Int8Embedding(embed)
+        new.lm_head = prec.PackedLinear("bf16" if bf16_ends else precision, head, None)
         return new.eval()
 
     def add_gemv_copies(self) -> LlamaModel:
