@@ -1,6 +1,11 @@
 """Benchmark (not a test): every drafter on every workload category, at batch 1, greedy and
 temperature 0.7, against plain decoding measured interleaved over the same prompts.
 
+A drafter's k is a number (a fixed draft length: every proposed token verified) or `auto` /
+`autoN` (the controller's --k auto with kmax N, default 8: the n-gram drafter's tokens are
+fitted to the width that pays, other drafters get the controller's k; the cost table is
+calibrated once, at 256 tokens of context, and refined by every step as it runs).
+
 Per drafter x category: alpha (E[sum min(p, q)], or p(x) for deterministic drafts), accepted /
 drafted, mean acceptance length (bonus included), c (drafting time per draft token over the
 target's time per plain step, both measured in this run; a draft model's own prefill of the
@@ -12,7 +17,7 @@ excluded: the same work on both sides, it dilutes the ratio of long prompts).
 Workloads: the built-in prompts by category, and any Spec-Bench-format file
 (../shared/data/specbench/question.jsonl by default), a few prompts per category.
 
-    python benchmarks/drafters.py [--drafters ngram:4,layerskip:3,int8:3,heads:4,distilled:4]
+    python benchmarks/drafters.py [--drafters ngram:4,ngram:auto,layerskip:3,int8:3,heads:4]
         [--per-category 2] [--max-tokens 64] [--temperatures 0,0.7] [--threads 2]
         [--specbench FILE] [--categories summarization,rag,coding,...] [--out F.json]
 """
@@ -29,9 +34,10 @@ from typing import Any
 import torch
 
 from specdecode.bench.workloads import Prompt, load_default_workload, load_workload
+from specdecode.control import Controller, CostModel, calibrated_costs
 from specdecode.costs import hardware
 from specdecode.drafters.registry import drafter_factory
-from specdecode.engine import Generation
+from specdecode.engine import BatchEngine, Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import load_model
 from specdecode.sampling import SamplingParams
@@ -40,20 +46,32 @@ SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/questio
 CARDS = Path(__file__).resolve().parents[1] / "src/specdecode/data"
 
 
-def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k: int
-            ) -> tuple[float, float, Any]:
+def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k: int,
+            costs: CostModel | None = None) -> tuple[float, float, Any]:
     """(tokens/s of the whole request, prefill included: the request as users see it;
-    tokens/s of its decoding phase alone; counters)."""
+    tokens/s of its decoding phase alone: the tokens after the first step's, over the time
+    after it; counters). Every configuration runs through the same batch-1 engine; `costs`
+    given means --k auto (k is then kmax)."""
     gen = Generation(loaded.model, None, ids, params, drafter, k, loaded.tokenizer.eos_ids)
+    controller = None if costs is None else Controller(kmax=k, costs=costs)
+    engine = BatchEngine(loaded.model, 1, gen.capacity, controller=controller)
     start = time.perf_counter()
-    gen.prefill()
-    decode_start = time.perf_counter()
-    for _ in gen.run():
-        pass
-    gen.release()
+    engine.submit(gen)
+    first, first_n = 0.0, 0
+    while engine.busy:
+        engine.step()
+        if not first and gen.output:
+            first, first_n = time.perf_counter(), len(gen.output)
     end = time.perf_counter()
     n = len(gen.output)
-    return n / (end - start), n / (end - decode_start), gen.counters
+    return n / (end - start), (n - first_n) / max(1e-9, end - first), gen.counters
+
+
+def parse_k(text: str) -> tuple[int, bool]:
+    """'4' -> (4, False); 'auto' -> (8, True); 'auto6' -> (6, True)."""
+    if text.startswith("auto"):
+        return int(text[4:] or 8), True
+    return int(text), False
 
 
 def training_cost(name: str) -> str:
@@ -84,7 +102,8 @@ def prompts_by_category(args: argparse.Namespace) -> dict[str, list[Prompt]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--drafters", default="ngram:4,layerskip:3,int8:3,heads:4,distilled:4")
+    ap.add_argument("--drafters",
+                    default="ngram:4,ngram:auto,layerskip:3,int8:3,heads:4,distilled:4")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default="0,0.7")
@@ -97,26 +116,29 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     loaded = load_model()
     tok = loaded.tokenizer
-    factories: dict[str, tuple[Any, int]] = {}
+    factories: dict[str, tuple[Any, int, bool]] = {}  # "name:k" -> (factory, k or kmax, auto)
     for item in args.drafters.split(","):
-        name, k = item.split(":")
+        name, k_text = item.split(":")
+        k, auto = parse_k(k_text)
         try:
-            factories[name] = (drafter_factory(name, loaded.model, None, 4096, tokenizer=tok),
-                               int(k))
+            factories[item] = (drafter_factory(name, loaded.model, None, 4096, tokenizer=tok),
+                               k, auto)
         except SpecDecodeError as exc:
             print(f"# {name}: skipped ({exc})")
+    kmax = max((k for _, k, auto in factories.values() if auto), default=0)
+    costs = calibrated_costs(loaded.model, [1], kmax, context=256) if kmax else None
     groups = prompts_by_category(args)
     hw = hardware()
     print(f"# SmolLM2-135M-Instruct fp32 target, batch 1, {args.max_tokens} new tokens, "
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
           f"{hw.get('load_avg_1m')}; {args.per_category} prompts per category; plain and every "
           "drafter interleaved per prompt, after a warm-up")
-    for name in factories:
+    for name in dict.fromkeys(item.split(":")[0] for item in factories):
         print(f"# training cost: {training_cost(name)}")
     results: list[dict[str, Any]] = []
     for temperature in (float(t) for t in args.temperatures.split(",")):
         print(f"\n## temperature {temperature}")
-        print(f"{'category':<28}{'drafter':<11}{'k':>2}{'alpha':>7}{'acc/dr':>7}{'len':>6}"
+        print(f"{'category':<28}{'drafter':<11}{'k':>6}{'alpha':>7}{'acc/dr':>7}{'len':>6}"
               f"{'c':>6}{'x plain (min-max)':>20}{'decode x plain':>20}")
         for category, prompts in groups.items():
             rates: dict[str, list[float]] = {"plain": []}
@@ -134,13 +156,14 @@ def main() -> None:
                 rates["plain"].append(rate)
                 decode["plain"].append(dec)
                 plain_step.append(c0.target_ns / max(1, c0.steps))
-                for name, (factory, k) in factories.items():
-                    rate, dec, c = run_one(loaded, ids, params, factory(), k)
+                for name, (factory, k, auto) in factories.items():
+                    rate, dec, c = run_one(loaded, ids, params, factory(), k,
+                                           costs if auto else None)
                     rates.setdefault(name, []).append(rate)
                     decode.setdefault(name, []).append(dec)
                     counters.setdefault(name, []).append(c)
             step_ns = statistics.median(plain_step)
-            for name, (_, k) in factories.items():
+            for name, (_, k, auto) in factories.items():
                 cs = counters[name]
                 drafted = sum(c.drafted for c in cs)
                 accepted = sum(c.accepted for c in cs)
@@ -152,7 +175,8 @@ def main() -> None:
                 decode_ratios = [s / b for s, b in zip(decode[name], decode["plain"],
                                                        strict=True)]
                 row = {"temperature": temperature, "category": category, "drafter": name,
-                       "k": k, "alpha": alpha, "accepted_per_drafted": accepted / max(1, drafted),
+                       "k": f"auto{k}" if auto else k, "alpha": alpha,
+                       "accepted_per_drafted": accepted / max(1, drafted),
                        "mean_acceptance_length": (accepted + steps) / max(1, steps), "c": cost,
                        "ratio": statistics.median(ratios), "ratio_min": min(ratios),
                        "ratio_max": max(ratios),
@@ -160,7 +184,7 @@ def main() -> None:
                        "decode_ratio_min": min(decode_ratios),
                        "decode_ratio_max": max(decode_ratios)}
                 results.append(row)
-                print(f"{category:<28}{name:<11}{k:>2}{alpha:>7.2f}"
+                print(f"{category:<28}{name.split(':')[0]:<11}{row['k']:>6}{alpha:>7.2f}"
                       f"{row['accepted_per_drafted']:>7.2f}{row['mean_acceptance_length']:>6.2f}"
                       f"{cost:>6.2f}{row['ratio']:>8.2f} ({row['ratio_min']:.2f}-"
                       f"{row['ratio_max']:.2f})   {row['decode_ratio']:.2f} "
