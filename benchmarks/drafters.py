@@ -20,6 +20,7 @@ Workloads: the built-in prompts by category, and any Spec-Bench-format file
     python benchmarks/drafters.py [--drafters ngram:4,ngram:auto,layerskip:3,int8:3,heads:4]
         [--per-category 2] [--max-tokens 64] [--temperatures 0,0.7] [--threads 2]
         [--specbench FILE] [--categories summarization,rag,coding,...] [--out F.json]
+        [--precision fp32|bf16]
 """
 
 from __future__ import annotations
@@ -111,10 +112,11 @@ def main() -> None:
     ap.add_argument("--specbench", default=str(SPECBENCH))
     ap.add_argument("--categories", default="summarization,rag,coding,qa,translation,writing")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--precision", default="fp32", help="the target's precision (fp32 | bf16)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model()
+    loaded = load_model(None, args.precision)
     tok = loaded.tokenizer
     factories: dict[str, tuple[Any, int, bool]] = {}  # "name:k" -> (factory, k or kmax, auto)
     for item in args.drafters.split(","):
@@ -129,7 +131,7 @@ def main() -> None:
     costs = calibrated_costs(loaded.model, [1], kmax, context=256) if kmax else None
     groups = prompts_by_category(args)
     hw = hardware()
-    print(f"# SmolLM2-135M-Instruct fp32 target, batch 1, {args.max_tokens} new tokens, "
+    print(f"# SmolLM2-135M-Instruct {args.precision} target, batch 1, {args.max_tokens} new tokens, "
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
           f"{hw.get('load_avg_1m')}; {args.per_category} prompts per category; plain and every "
           "drafter interleaved per prompt, after a warm-up")
