@@ -131,7 +131,8 @@ def main() -> None:
     costs = calibrated_costs(loaded.model, [1], kmax, context=256) if kmax else None
     groups = prompts_by_category(args)
     hw = hardware()
-    print(f"# SmolLM2-135M-Instruct {args.precision} target, batch 1, {args.max_tokens} new tokens, "
+    print(f"# SmolLM2-135M-Instruct {args.precision} target, batch 1, {args.max_tokens} new "
+          "tokens, "
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
           f"{hw.get('load_avg_1m')}; {args.per_category} prompts per category; plain and every "
           "drafter interleaved per prompt, after a warm-up")
