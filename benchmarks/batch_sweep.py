@@ -22,6 +22,7 @@ peak RSS). Then, per workload, the batch size from
 which the best fixed k no longer beats plain.
 
     python benchmarks/batch_sweep.py [--batches 1,2,4,8,16,32] [--max-tokens 48] [--out F.json]
+        [--configs plain,k=1,k=2,k=4,auto] [--workloads summarization,writing]
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def pct(xs: list[float], q: int) -> float:
 
 
 def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens: int,
-                  rounds: int, batch: int) -> list[dict[str, Any]]:
+                  rounds: int, batch: int, configs: list[tuple[str, int | str]] = CONFIGS
+                  ) -> list[dict[str, Any]]:
     """Every config `rounds` times, the order rotated each round; per config: the median of
     its throughput ratio to the same round's plain run, with min-max, and pooled ITLs."""
     templates = prefilled(loaded, texts, temperature, max_tokens)
@@ -129,17 +131,17 @@ def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens:
     context = round(statistics.mean(t.prompt_len for t in templates))
     controller = Controller(kmax=KMAX, costs=calibrated_costs(
         loaded.model, [batch], KMAX, context=context, repeats=2))
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in CONFIGS}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
     # one drafter factory per configuration, kept over its rounds (its drafters share what
     # they learn of acceptance by match length, as a server's do)
-    makers = {label: drafter_factory("ngram", loaded.model) for label, _ in CONFIGS}
+    makers = {label: drafter_factory("ngram", loaded.model) for label, _ in configs}
     for r in range(rounds):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[: r % len(CONFIGS)]
+        order = configs[r % len(configs):] + configs[: r % len(configs)]
         for label, k in order:
             runs[label].append(run_cell(loaded, templates, k, controller, batch,
                                         makers[label]))
     cells = []
-    for label, _ in CONFIGS:
+    for label, _ in configs:
         rs = runs[label]
         ratios = [a["full_throughput"] / p["full_throughput"] for a, p in
                   zip(rs, runs["plain"], strict=True)]
@@ -168,7 +170,12 @@ def main() -> None:
                     help="requests per cell = this x the batch size, through B slots")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default=",".join(label for label, _ in CONFIGS),
+                    help="a subset of plain,k=1,k=2,k=4,auto (plain is always run: the ratios)")
+    ap.add_argument("--workloads", default="summarization,writing")
     args = ap.parse_args()
+    wanted = {"plain", *args.configs.split(",")}
+    configs = [c for c in CONFIGS if c[0] in wanted]
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model()
@@ -183,8 +190,9 @@ def main() -> None:
           " median over rounds of (config tok/s / plain tok/s of the same round), (min-max); "
           "whole run = the same ratio over the whole run, the final drain included; ITL pooled "
           "over rounds, each request's first token excluded (it is its TTFT)")
-    workloads = [("summarization greedy", "summarization", 0.0, 1500),
-                 ("writing T=1.0", "writing", 1.0, 1500)]
+    workloads = [w for w in (("summarization greedy", "summarization", 0.0, 1500),
+                             ("writing T=1.0", "writing", 1.0, 1500))
+                 if w[1] in args.workloads.split(",")]
     results: list[dict[str, Any]] = []
     for name, category, temperature, cut in workloads:
         print(f"\n## {name}")
@@ -194,7 +202,7 @@ def main() -> None:
         for batch in batches:
             texts = prompts(category, args.requests_per_slot * batch, cut)
             for cell in measure_batch(loaded, texts, temperature, args.max_tokens, args.rounds,
-                                      batch):
+                                      batch, configs):
                 cell.update(workload=name, batch=batch)
                 results.append(cell)
                 acc = cell["accepted_per_drafted"]
@@ -215,12 +223,16 @@ def summarize(name: str, cells: list[dict[str, Any]], batches: list[int]) -> Non
     def at(b: int) -> list[dict[str, Any]]:
         return [r for r in cells if r["batch"] == b]
 
-    stop = next((b for b in batches if max(r["ratio"] for r in at(b)
-                                           if r["config"].startswith("k=")) < 1.0), None)
-    print(f"speculation (best fixed k) stops paying at batch {stop} for {name}"
-          if stop else f"speculation pays at every batch size measured for {name}")
+    fixed = [b for b in batches if any(r["config"].startswith("k=") for r in at(b))]
+    stop = next((b for b in fixed if max(r["ratio"] for r in at(b)
+                                         if r["config"].startswith("k=")) < 1.0), None)
+    if fixed:
+        print(f"speculation (best fixed k) stops paying at batch {stop} for {name}"
+              if stop else f"speculation pays at every batch size measured for {name}")
     for b in batches:
-        auto = next(r for r in at(b) if r["config"] == "auto")
+        auto = next((r for r in at(b) if r["config"] == "auto"), None)
+        if auto is None:
+            continue
         best = max((r for r in at(b) if r["config"] != "auto"), key=lambda r: r["ratio"])
         print(f"  batch {b:2d}: auto {auto['ratio']:.2f}x plain; best fixed {best['config']} "
               f"{best['ratio']:.2f}x; auto / best {auto['ratio'] / best['ratio']:.2f}")

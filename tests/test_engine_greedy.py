@@ -60,6 +60,23 @@ def test_int8_drafter_is_token_identical(
     assert gen.counters.accepted > 0
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_w4a16_drafter_is_token_identical_and_accepts_more_than_int8(
+    smollm: LoadedModel, plain: tuple[list[int], list[int]], k: int
+) -> None:
+    """The 4-bit copy follows the target closer than the int8 one (top-1 0.96 against 0.76
+    teacher-forced): more of its tokens are accepted, and the output is the target's."""
+    ids, expected = plain
+    accepted = {}
+    for name in ("w4a16", "int8"):
+        factory = drafter_factory(name, smollm.model)
+        assert factory is not None
+        gen = _run(smollm, ids, factory(), k)
+        assert gen.output == expected
+        accepted[name] = gen.counters.accepted / max(1, gen.counters.drafted)
+    assert accepted["w4a16"] > accepted["int8"], accepted
+
+
 def test_wrong_drafter_is_caught_by_the_identity_check(
     smollm: LoadedModel, plain: tuple[list[int], list[int]]
 ) -> None:

@@ -13,7 +13,8 @@ from typing import Any
 from specdecode.drafters.base import Drafter
 from specdecode.errors import SpecDecodeError
 
-DRAFTERS = ("none", "draft-model", "int8", "ngram", "layerskip", "heads", "distilled", "xtok")
+DRAFTERS = ("none", "draft-model", "int8", "w4a16", "ngram", "layerskip", "heads", "distilled",
+            "xtok")
 
 DrafterFactory = Callable[[], Drafter]
 
@@ -77,7 +78,7 @@ def drafter_factory(
     refused if made for another target).
     """
     from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
-    from specdecode.models.precision import quantize_int8
+    from specdecode.models.precision import apply_precision, quantize_int8
 
     if name == "none":
         return None
@@ -119,11 +120,14 @@ def drafter_factory(
 
         draft = load_distilled(Path(distilled).expanduser() if distilled else DEFAULT_DIR, target)
         return lambda: DraftModelDrafter(draft, "distilled", capacity)
-    if name == "int8":
+    if name in ("int8", "w4a16"):  # a quantized copy of the target drafts for it
         if getattr(target, "backend", "") != "native":
-            raise SpecDecodeError("the int8 drafter needs a target on the native runner")
-        weights = quantize_int8(copy.deepcopy(target))
-        return lambda: DraftModelDrafter(weights, "int8", capacity)
+            raise SpecDecodeError(f"the {name} drafter needs a target on the native runner")
+        if name == "int8":
+            weights = quantize_int8(copy.deepcopy(target))
+        else:  # a new model (4-bit blocks, bf16 ends); the target's norms shared, unchanged
+            weights = apply_precision(target, "w4a16")
+        return lambda: DraftModelDrafter(weights, name, capacity)
     if name == "draft-model":
         if not draft_model:
             raise SpecDecodeError("--drafter draft-model needs --draft-model PATH")
