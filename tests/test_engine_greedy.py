@@ -61,11 +61,12 @@ def test_int8_drafter_is_token_identical(
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_w4a16_drafter_is_token_identical_and_accepts_more_than_int8(
+def test_w4a16_drafter_is_token_identical_and_accepts_at_least_as_much_as_int8(
     smollm: LoadedModel, plain: tuple[list[int], list[int]], k: int
 ) -> None:
     """The 4-bit copy follows the target closer than the int8 one (top-1 0.96 against 0.76
-    teacher-forced): more of its tokens are accepted, and the output is the target's."""
+    teacher-forced): at least as many of its tokens are accepted (here 90% or more), and the
+    output is the target's."""
     ids, expected = plain
     accepted = {}
     for name in ("w4a16", "int8"):
@@ -74,7 +75,7 @@ def test_w4a16_drafter_is_token_identical_and_accepts_more_than_int8(
         gen = _run(smollm, ids, factory(), k)
         assert gen.output == expected
         accepted[name] = gen.counters.accepted / max(1, gen.counters.drafted)
-    assert accepted["w4a16"] > accepted["int8"], accepted
+    assert accepted["w4a16"] >= max(accepted["int8"], 0.9), accepted
 
 
 def test_wrong_drafter_is_caught_by_the_identity_check(
@@ -93,3 +94,34 @@ def test_wrong_drafter_is_caught_by_the_identity_check(
     finally:
         engine.verify_greedy = original
     assert gen.output == expected and broken.output != expected
+
+
+def test_quantized_copy_starts_from_the_targets_prompt_kv(
+    smollm: LoadedModel, plain: tuple[list[int], list[int]]
+) -> None:
+    """The w4a16 copy takes the target's prompt keys and values after the target's prefill and
+    feeds only the pending token at its first proposal; the output is still the target's. A
+    copy that does not borrow them prefills the prompt itself (catch-up time recorded)."""
+    import torch
+
+    from specdecode.drafters.draft_model import DraftModelDrafter
+
+    ids, expected = plain
+    factory = drafter_factory("w4a16", smollm.model)
+    assert factory is not None
+    borrowing = factory()
+    assert isinstance(borrowing, DraftModelDrafter) and borrowing.borrow_prompt_kv
+    own = DraftModelDrafter(borrowing.model, "w4a16", borrow_prompt_kv=False)
+    for drafter, borrowed in ((borrowing, True), (own, False)):
+        gen = Generation(smollm.model, smollm.tokenizer, ids, SamplingParams(max_tokens=TOKENS),
+                         drafter, 3, smollm.tokenizer.eos_ids)
+        gen.prefill()
+        n = len(ids) - 1
+        assert (drafter.fed == ids[:n]) is borrowed
+        if borrowed:
+            assert torch.equal(drafter.cache.k[:, 0, :, :n], gen.cache.k[:, 0, :, :n])
+        gen.step()
+        assert (drafter.catch_up_ns == 0) is borrowed
+        for _ in gen.run():
+            pass
+        assert gen.output == expected

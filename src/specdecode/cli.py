@@ -36,7 +36,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none",
-                   help="none | int8 | ngram | layerskip | heads (--heads) | draft-model | xtok "
+                   help="none | int8 | w4a16 | ngram | layerskip | heads (--heads) | distilled | "
+                        "draft-model | xtok "
                         "(these two with --draft-model)")
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from specdecode.control import AlphaEstimate, Controller, CostModel, best_width
-from specdecode.drafters.base import Draft, Drafter, fits_width, wants_hidden
+from specdecode.drafters.base import Draft, Drafter, fits_width, takes_prompt_kv, wants_hidden
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
@@ -127,8 +127,20 @@ class Generation:
                 else:
                     self.model(chunk, self.cache, logits_for="none")
         self._prefilled = end
+        if self.prefilled:
+            self._lend_prompt_kv()
         self.counters.prefill_ns += time.perf_counter_ns() - start
         return self.prefilled
+
+    def _lend_prompt_kv(self) -> None:
+        """Hand the prompt's keys and values to a drafter that takes them (a quantized copy of
+        the target: it skips its own prefill of the prompt; drafters.base.PromptKVTaker)."""
+        if self.drafter is not None and takes_prompt_kv(self.drafter) and hasattr(
+                self.cache, "k"):
+            n = self._prefilled
+            self.drafter.take_prompt_kv(  # type: ignore[attr-defined]
+                self.context[:n], self.cache.k[:, self.row, :, :n],
+                self.cache.v[:, self.row, :, :n])
 
     def adopt_prefill(self, template: Generation) -> None:
         """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
@@ -142,6 +154,7 @@ class Generation:
         self.cache.v[:, 0, :, :n] = template.cache.v[:, template.row, :, :n]
         self.cache.lengths[0] = n
         self._prefilled = n
+        self._lend_prompt_kv()
 
     def step(self) -> StepOutput:
         """One whole speculative step on this request's own cache."""

@@ -65,6 +65,20 @@ def wants_hidden(drafter: object) -> bool:
     return callable(getattr(drafter, "observe", None))
 
 
+class PromptKVTaker(Protocol):
+    """Optional: a drafter whose model has the target's cache layout (a quantized copy of the
+    target) and starts from the target's keys and values of the prompt instead of prefilling it
+    again. The engine calls `take_prompt_kv(tokens, k, v)` once the prompt is prefilled, with
+    k and v (layers, kv_heads, n, head_dim) for the n prompt tokens `tokens`."""
+
+    def take_prompt_kv(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+def takes_prompt_kv(drafter: object) -> bool:
+    """True when `drafter` has a `take_prompt_kv` method (PromptKVTaker)."""
+    return callable(getattr(drafter, "take_prompt_kv", None))
+
+
 def fits_width(drafter: object) -> bool:
     """True when `drafter` declares `fits_width`: its drafts carry confidences and proposing
     costs next to nothing, so under the controller it proposes up to its k and the engine keeps
