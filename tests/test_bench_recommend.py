@@ -102,3 +102,6 @@ def test_vllm_mapping_of_other_drafters() -> None:
     assert cfg == {"method": "ngram", "num_speculative_tokens": 2} and "prompt_lookup" in note
     cfg, note = vllm_speculative_config(ConfigSpec("s", drafter="self_spec", k=2), 2)
     assert cfg is None and "no equivalent" in note
+    cfg, note = vllm_speculative_config(ConfigSpec("q", drafter="w4a16", k=3), 3)
+    assert cfg is not None and cfg["method"] == "draft_model" and "4-bit" in cfg["model"]
+    assert cfg["num_speculative_tokens"] == 3 and "re-measure" in note

@@ -25,6 +25,7 @@ from specdecode.bench.stats import Analysis, ConfigSummary, jsonable
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DRAFT_MODEL_NAMES = ("draft-model", "draft_model", "draft")
+QUANTIZED_COPIES = {"int8": "an int8 (e.g. W8A8 or GPTQ 8-bit)", "w4a16": "a 4-bit (AWQ or GPTQ)"}
 
 
 @dataclass
@@ -138,6 +139,13 @@ def vllm_speculative_config(spec: ConfigSpec, k: int) -> tuple[dict[str, Any] | 
         return ({"method": "draft_model", "model": model, "num_speculative_tokens": k},
                 'older vLLM releases infer a draft model from "model" alone: drop "method" '
                 "if yours rejects it")
+    if spec.drafter in QUANTIZED_COPIES:
+        kind = QUANTIZED_COPIES[spec.drafter]
+        return ({"method": "draft_model", "model": f"<{kind} checkpoint of the target>",
+                 "num_speculative_tokens": k},
+                f"vLLM quantizes no copy of the target on the fly: export {kind} checkpoint of "
+                "the target and run it as the draft model (its acceptance may differ from this "
+                "copy's: re-measure)")
     if spec.drafter in HEAD_METHODS:
         model = str(opts.get("model", f"<path to the {spec.drafter} checkpoint>"))
         return ({"method": spec.drafter, "model": model, "num_speculative_tokens": k},
