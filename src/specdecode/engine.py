@@ -22,6 +22,7 @@ logits bit for bit, and commit hands the drafter the hidden rows of the position
 
 from __future__ import annotations
 
+import array
 import copy
 import time
 from collections import deque
@@ -60,6 +61,14 @@ def make_generator(seed: int | None) -> torch.Generator:
     else:
         gen.manual_seed(seed)
     return gen
+
+
+def ids_tensor(ids: list[int]) -> torch.Tensor:
+    """An int64 tensor of a token list, through a C array: 6-7x faster than torch.tensor(list)
+    (19 against 124 us for 450 tokens here), which every request paid twice per step (the
+    context handed to its drafter and to its verifier), 2.5% of a batch-16 step."""
+    return torch.frombuffer(array.array("q", ids), dtype=torch.int64) if ids else torch.zeros(
+        0, dtype=torch.int64)
 
 
 class Generation:
@@ -182,7 +191,7 @@ class Generation:
         k = min(self.next_k, room)
         if self.drafter is None or k <= 0:
             return Draft(_EMPTY, None)
-        ctx = torch.tensor(self.context)
+        ctx = ids_tensor(self.context)
         with torch.inference_mode():
             draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
         self.catch_up_ns = int(getattr(self.drafter, "catch_up_ns", 0))
@@ -211,7 +220,7 @@ class Generation:
 
     def _verify(self, logits: torch.Tensor, draft: Draft) -> tuple[VerifyResult, list[float]]:
         """Verification plus the per-position alpha samples sum_x min(p, q) it evaluated."""
-        ctx = torch.tensor(self.context)
+        ctx = ids_tensor(self.context)
         k = len(draft.tokens)
         if self.params.greedy:
             target = greedy_tokens(logits, self.params, ctx, self.prompt_len, draft.tokens)
