@@ -64,7 +64,7 @@ def bench_args(ckpt: Path, wl: str, out: Path, *extra: str) -> list[str]:
 # ---------------------------------------------------------------------------- bad input
 
 
-def one_error_line(code: int, err: str, *needles: str) -> None:
+def assert_one_error_line(code: int, err: str, *needles: str) -> None:
     lines = [ln for ln in err.splitlines() if ln.startswith("specdecode: error:")]
     assert code == 2 and len(lines) == 1, err
     for needle in needles:
@@ -75,7 +75,7 @@ def one_error_line(code: int, err: str, *needles: str) -> None:
 def test_strict_refuses_a_malformed_line_naming_it(tmp_path: Path) -> None:
     wl = workload(tmp_path, GOOD, "{oops", SPECBENCH)
     code, _, err = run(bench_args(Path("x"), wl, tmp_path / "o", "--strict"))
-    one_error_line(code, err, "w.jsonl:2:", "invalid JSON")
+    assert_one_error_line(code, err, "w.jsonl:2:", "invalid JSON")
     assert not (tmp_path / "o").exists()
 
 
@@ -101,13 +101,13 @@ def test_bad_input_is_one_line_before_the_model_loads(
     tmp_path: Path, lines: list[str], extra: list[str], needles: list[str]
 ) -> None:
     code, _, err = run(bench_args(Path("x"), workload(tmp_path, *lines), tmp_path / "o", *extra))
-    one_error_line(code, err, *needles)
+    assert_one_error_line(code, err, *needles)
 
 
 @pytest.mark.usefixtures("no_model")
 def test_resume_needs_an_output_folder(tmp_path: Path) -> None:
     code, _, err = run(["bench", "--workload", workload(tmp_path, GOOD), "--resume"])
-    one_error_line(code, err, "--resume needs --out")
+    assert_one_error_line(code, err, "--resume needs --out")
 
 
 @pytest.mark.usefixtures("no_model")
@@ -115,7 +115,7 @@ def test_unwritable_output_folder_is_refused(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     code, _, err = run(bench_args(Path("x"), workload(tmp_path, GOOD), blocker / "out"))
-    one_error_line(code, err, "is not writable")
+    assert_one_error_line(code, err, "is not writable")
 
 
 @pytest.mark.usefixtures("no_model")
@@ -123,7 +123,7 @@ def test_existing_results_need_resume(tmp_path: Path) -> None:
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "results.jsonl").write_text("{}\n")
     code, _, err = run(bench_args(Path("x"), workload(tmp_path, GOOD), tmp_path / "o"))
-    one_error_line(code, err, "already exists", "--resume")
+    assert_one_error_line(code, err, "already exists", "--resume")
 
 
 # ------------------------------------------------------------------------------ configs

@@ -9,6 +9,7 @@ and are verified as if q were one-hot on their token.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,6 +85,15 @@ def fits_width(drafter: object) -> bool:
     costs next to nothing, so under the controller it proposes up to its k and the engine keeps
     what pays (engine.fit_width) instead of taking the controller's per-request k."""
     return bool(getattr(drafter, "fits_width", False))
+
+
+def ids_tensor(ids: list[int]) -> torch.Tensor:
+    """An int64 tensor of a token list, through a C array: 6-7x faster than torch.tensor(list)
+    (19 against 124 us for 450 tokens here), which the engine paid twice per request per step (the
+    context handed to its drafter and to its verifier: 2.5% of a batch-16 step) and model
+    drafters once per draft token."""
+    return torch.frombuffer(array.array("q", ids), dtype=torch.int64) if ids else torch.zeros(
+        0, dtype=torch.int64)
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor, prompt_len: int,

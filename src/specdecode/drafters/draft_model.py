@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft, draw
+from specdecode.drafters.base import EMPTY, Draft, draw, ids_tensor
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
@@ -57,9 +57,7 @@ class DraftModelDrafter:
             return
         n = len(other.fed)
         self.cache = self.model.new_cache(1, other.cache.capacity)
-        self.cache.k[:, 0, :, :n] = other.cache.k[:, 0, :, :n]
-        self.cache.v[:, 0, :, :n] = other.cache.v[:, 0, :, :n]
-        self.cache.lengths[0] = n
+        self._write_prefix(other.cache.k[:, 0, :, :n], other.cache.v[:, 0, :, :n])
         self.fed = list(other.fed)
 
     def take_prompt_kv(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -69,15 +67,19 @@ class DraftModelDrafter:
             return
         self.reset()
         self._reserve(len(tokens) + 1)
-        n = len(tokens)
         own = getattr(self.cache, "k", None)
         if own is None or own.dtype != k.dtype or (own.shape[0], own.shape[2], own.shape[4]) != (
                 k.shape[0], k.shape[1], k.shape[3]):
             return  # another layout: the draft prefills the prompt itself
+        self._write_prefix(k, v)
+        self.fed = list(tokens)
+
+    def _write_prefix(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold keys and values (layers, kv_heads, n, head_dim) as the cache's first n slots."""
+        n = k.shape[2]
         self.cache.k[:, 0, :, :n] = k
         self.cache.v[:, 0, :, :n] = v
         self.cache.lengths[0] = n
-        self.fed = list(tokens)
 
     def _reserve(self, tokens: int) -> None:
         """Make the cache hold `tokens` positions: allocate, or grow (doubling) with one copy."""
@@ -87,9 +89,7 @@ class DraftModelDrafter:
         old, self.cache = self.cache, self.model.new_cache(1, size)
         if old is not None and hasattr(old, "k"):
             n = old.lengths[0]
-            self.cache.k[:, 0, :, :n] = old.k[:, 0, :, :n]
-            self.cache.v[:, 0, :, :n] = old.v[:, 0, :, :n]
-            self.cache.lengths[0] = n
+            self._write_prefix(old.k[:, 0, :, :n], old.v[:, 0, :, :n])
         elif old is not None:  # a cache without tensors to copy: start again
             self.fed = []
 
@@ -133,7 +133,7 @@ class DraftModelDrafter:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            tok, q = draw(logits, params, torch.tensor(ctx + tokens), prompt_len, generator)
+            tok, q = draw(logits, params, ids_tensor(ctx + tokens), prompt_len, generator)
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:

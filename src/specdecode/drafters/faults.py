@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft
+from specdecode.drafters.base import EMPTY, Draft, ids_tensor
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
@@ -71,7 +71,7 @@ class FaultyDrafter(DraftModelDrafter):
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            history = torch.tensor(ctx + tokens)
+            history = ids_tensor(ctx + tokens)
             q_true = probs_from_logits(logits, sampling, history, prompt_len, EMPTY)[0]
             qs.append(probs_from_logits(other, reported, history, prompt_len, EMPTY)[0])
             tokens.append(int(sample(q_true, generator)))

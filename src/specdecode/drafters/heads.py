@@ -42,7 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from specdecode.drafters.base import EMPTY, Draft, draw
+from specdecode.drafters.base import EMPTY, Draft, draw, ids_tensor
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
@@ -261,7 +261,7 @@ class HeadsDrafter:
         qs: list[torch.Tensor] = []
         for i in range(k):
             logits = self.model.full_logits(hidden)  # (1, V)
-            tok, q = draw(logits, params, torch.tensor(ctx + tokens), prompt_len, generator)
+            tok, q = draw(logits, params, ids_tensor(ctx + tokens), prompt_len, generator)
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:
