@@ -298,15 +298,17 @@ def test_api_key_required_when_set(tiny: LoadedModel) -> None:
 
 
 def test_smollm_chat_through_the_server_equals_plain_decoding(smollm: LoadedModel) -> None:
-    """SmolLM2 with the int8 drafter under the controller: greedy text over HTTP (streamed and
-    not) equals plain decoding in-process, token for token."""
+    """SmolLM2 with the int8 drafter at a fixed k = 3: greedy text over HTTP (streamed and not)
+    equals plain decoding in-process, token for token. (Fixed k: under the controller, whether
+    anything is drafted depends on this machine's measured timings, and the accepted-tokens
+    check needs drafts; the controller's losslessness is tested in test_batch.)"""
     question = "Name three colours."
     tok = smollm.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
     eos = tuple(sorted(set(tok.eos_ids) | set(smollm.model.cfg.eos_token_ids)))
     gen = Generation(smollm.model, tok, ids, SamplingParams(max_tokens=24), None, 0, eos)
     expected = "".join(out.text for out in gen.run())
-    with serving(smollm, max_batch=2, max_seq_len=512, k=3) as (srv, _):
+    with serving(smollm, max_batch=2, max_seq_len=512, k=3, auto=False) as (srv, _):
         c = client(srv)
         name = c.models.list().data[0].id
         messages: Any = [{"role": "user", "content": question}]
