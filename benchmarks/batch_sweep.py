@@ -8,7 +8,7 @@ n-gram drafter (drafting costs almost nothing, so what decides is verification a
 - writing, temperature 1.0: Spec-Bench's writing prompts (cycled with distinct seeds) - low.
 
 Batch size B is the engine's number of slots: every configuration runs the same 2B requests
-(`--requests-per-slot`) through one BatchEngine of B rows, a finished request's row taken by
+(`--requests-per-slot`; at least 8, `--min-requests`) through one BatchEngine of B rows, a finished request's row taken by
 the next waiting one (continuous batching, as a loaded server runs; with only B requests the
 batch would drain as requests finish at different steps, a tail that penalises speculation and
 that a loaded server does not have). Prompts are prefilled before the clock starts, the same for
@@ -168,6 +168,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests-per-slot", type=int, default=2,
                     help="requests per cell = this x the batch size, through B slots")
+    ap.add_argument("--min-requests", type=int, default=8,
+                    help="at least this many requests per cell (batch 1 and 2 cells of 2B "
+                    "requests are a few seconds long: noise decides them)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default=",".join(label for label, _ in CONFIGS),
@@ -185,7 +188,7 @@ def main() -> None:
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
           f"{hw.get('load_avg_1m')}; {args.rounds} rounds per cell, order rotated; target "
           f"weights {loaded.weight_bytes() / 2**20:.0f} MiB, draft weights 0, draft KV 0")
-    print(f"# {args.requests_per_slot}B requests through B slots; tok/s = tokens emitted by the "
+    print(f"# max({args.requests_per_slot}B, {args.min_requests}) requests through B slots; tok/s = tokens emitted by the "
           "steps in which all B slots decoded / their time (the throughput at batch B); x plain ="
           " median over rounds of (config tok/s / plain tok/s of the same round), (min-max); "
           "whole run = the same ratio over the whole run, the final drain included; ITL pooled "
@@ -200,7 +203,8 @@ def main() -> None:
               f"{'whole run':>9} {'ITL p50':>8} {'ITL p99':>8} {'acc/dr':>6} {'target KV':>9} "
               f"{'peak RSS':>8}")
         for batch in batches:
-            texts = prompts(category, args.requests_per_slot * batch, cut)
+            texts = prompts(category, max(args.requests_per_slot * batch, args.min_requests),
+                            cut)
             for cell in measure_batch(loaded, texts, temperature, args.max_tokens, args.rounds,
                                       batch, configs):
                 cell.update(workload=name, batch=batch)

@@ -23,7 +23,7 @@ import torch
 
 from specdecode.control import Controller, CostModel, best_width
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.drafters.ngram import MatchStats, NgramDrafter
+from specdecode.drafters.ngram import GREEDY_PRIOR, MatchStats, NgramDrafter, RegimeStats
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
@@ -292,7 +292,7 @@ def test_match_stats_count_up_to_the_first_miss_and_not_past_the_committed_text(
     assert (stats.proposed[4], stats.accepted[4]) == (1, 0)
     assert stats.rate(4) == 0.0 and stats.rate(2) == 1.0
     with_prior = MatchStats(prior_weight=4.0)
-    assert with_prior.rate(1) == pytest.approx(1 / 3)
+    assert with_prior.rate(1) == pytest.approx(GREEDY_PRIOR[1])
     assert with_prior.rate(20) == with_prior.rate(8)
 
 
@@ -310,7 +310,34 @@ def test_confidence_follows_what_the_target_commits() -> None:
         draft = drafter.propose(torch.tensor(context), 4, params, len(context), None)
         assert draft.confidence is not None
     assert draft.confidence[0] < start / 2
-    assert draft.confidence[0] == pytest.approx(drafter.stats.rate(3))
+    assert draft.confidence[0] == pytest.approx(drafter.stats.for_params(params).rate(3))
+
+
+def test_sampled_traffic_starts_lower_and_learns_apart_from_greedy_traffic() -> None:
+    """Rates are kept per sampling regime: a proposal at temperature 1.0 starts from a lower
+    confidence than a greedy one, and what sampled traffic teaches (its copies rejected) leaves
+    greedy confidences where they were. One shared table would carry either over to the other."""
+    stats = RegimeStats()
+    greedy, hot = SamplingParams(max_tokens=8), SamplingParams(temperature=1.0, max_tokens=8)
+    context = [1, 2, 3, 4, 1, 2, 3]
+
+    def first_confidence(params: SamplingParams, drafter: NgramDrafter) -> float:
+        draft = drafter.propose(torch.tensor(context), 4, params, len(context), None)
+        assert draft.confidence is not None
+        return draft.confidence[0]
+
+    greedy_start = first_confidence(greedy, NgramDrafter(3, 1, stats=stats))
+    hot_drafter = NgramDrafter(3, 1, stats=stats)
+    hot_start = first_confidence(hot, hot_drafter)
+    assert hot_start < 0.7 * greedy_start
+    for wrong in range(50, 60):  # sampled text never follows "1 2 3" with 4
+        context += [wrong, 1, 2, 3]
+        hot_now = first_confidence(hot, hot_drafter)
+    assert hot_now < hot_start / 2
+    context = [1, 2, 3, 4, 1, 2, 3]
+    assert first_confidence(greedy, NgramDrafter(3, 1, stats=stats)) == greedy_start
+    assert stats.for_params(SamplingParams(temperature=1.04, max_tokens=8)) is \
+        stats.for_params(hot)  # one regime per 0.1 of temperature
 
 
 def best_draft_length(confidence: list[float], width_cost: Callable[[int], float],

@@ -85,10 +85,11 @@ def drafter_factory(
         return None
     check_batch_invariant(getattr(target, "precision", "fp32"))
     if name == "ngram":
-        from specdecode.drafters.ngram import MatchStats, NgramDrafter
+        from specdecode.drafters.ngram import NgramDrafter, RegimeStats
 
         NgramDrafter(ngram_max, ngram_min)  # check the sizes now, not at the first request
-        stats = MatchStats()  # acceptance by match length, learned across this factory's requests
+        stats = RegimeStats()  # acceptance by match length and sampling regime, learned across
+        # this factory's requests
         return lambda: NgramDrafter(ngram_max, ngram_min, stats=stats)
     if name == "layerskip":
         from specdecode.drafters.layerskip import (
