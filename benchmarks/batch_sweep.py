@@ -8,11 +8,11 @@ n-gram drafter (drafting costs almost nothing, so what decides is verification a
 - writing, temperature 1.0: Spec-Bench's writing prompts (cycled with distinct seeds) - low.
 
 Batch size B is the engine's number of slots: every configuration runs the same 2B requests
-(`--requests-per-slot`; at least 8, `--min-requests`) through one BatchEngine of B rows, a finished request's row taken by
-the next waiting one (continuous batching, as a loaded server runs; with only B requests the
-batch would drain as requests finish at different steps, a tail that penalises speculation and
-that a loaded server does not have). Prompts are prefilled before the clock starts, the same for
-every configuration. auto's controller starts cold in each batch
+(`--requests-per-slot`; at least 8, `--min-requests`) through one BatchEngine of B rows, a
+finished request's row taken by the next waiting one (continuous batching, as a loaded server
+runs; with only B requests the batch would drain as requests finish at different steps, a tail
+that penalises speculation and that a loaded server does not have). Prompts are prefilled before
+the clock starts, the same for every configuration. auto's controller starts cold in each batch
 size's first round (its t(B, T) table calibrated at the prompts' mean length, alpha at the
 prior) and keeps what it learned into the later rounds, as a server's controller does.
 Printed per cell: throughput (emitted tokens/s of the whole batch), its ratio to plain, ITL
@@ -188,9 +188,10 @@ def main() -> None:
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
           f"{hw.get('load_avg_1m')}; {args.rounds} rounds per cell, order rotated; target "
           f"weights {loaded.weight_bytes() / 2**20:.0f} MiB, draft weights 0, draft KV 0")
-    print(f"# max({args.requests_per_slot}B, {args.min_requests}) requests through B slots; tok/s = tokens emitted by the "
-          "steps in which all B slots decoded / their time (the throughput at batch B); x plain ="
-          " median over rounds of (config tok/s / plain tok/s of the same round), (min-max); "
+    print(f"# max({args.requests_per_slot}B, {args.min_requests}) requests through B slots; "
+          "tok/s = tokens emitted by the steps in which all B slots decoded / their time (the "
+          "throughput at batch B); x plain = median over rounds of (config tok/s / plain tok/s "
+          "of the same round), (min-max); "
           "whole run = the same ratio over the whole run, the final drain included; ITL pooled "
           "over rounds, each request's first token excluded (it is its TTFT)")
     workloads = [w for w in (("summarization greedy", "summarization", 0.0, 1500),
