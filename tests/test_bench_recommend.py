@@ -105,3 +105,8 @@ def test_vllm_mapping_of_other_drafters() -> None:
     cfg, note = vllm_speculative_config(ConfigSpec("q", drafter="w4a16", k=3), 3)
     assert cfg is not None and cfg["method"] == "draft_model" and "4-bit" in cfg["model"]
     assert cfg["num_speculative_tokens"] == 3 and "re-measure" in note
+    cfg, note = vllm_speculative_config(ConfigSpec("h", drafter="ngram+w4a16", k=3), 3)
+    assert cfg is not None and cfg["method"] == "draft_model" and "4-bit" in cfg["model"]
+    assert "one drafting method" in note and "n-gram lookup" in note
+    cfg, note = vllm_speculative_config(ConfigSpec("h", drafter="ngram+self_spec", k=3), 3)
+    assert cfg is None and "no equivalent" in note

@@ -96,12 +96,14 @@ def test_wrong_drafter_is_caught_by_the_identity_check(
     assert gen.output == expected and broken.output != expected
 
 
-def test_quantized_copy_starts_from_the_targets_prompt_kv(
+def test_quantized_copy_holds_the_targets_kv_of_the_committed_context(
     smollm: LoadedModel, plain: tuple[list[int], list[int]]
 ) -> None:
-    """The w4a16 copy takes the target's prompt keys and values after the target's prefill and
-    feeds only the pending token at its first proposal; the output is still the target's. A
-    copy that does not borrow them prefills the prompt itself (catch-up time recorded)."""
+    """The w4a16 copy takes the target's prompt keys and values after the target's prefill, and
+    those of every committed token after each step: its first proposal feeds only the pending
+    token, and so does a proposal after steps it sat out (nothing to catch up). The output is
+    still the target's. A copy that does not borrow prefills the prompt itself, and catches up
+    with the tokens committed while it was not asked."""
     import torch
 
     from specdecode.drafters.draft_model import DraftModelDrafter
@@ -110,8 +112,8 @@ def test_quantized_copy_starts_from_the_targets_prompt_kv(
     factory = drafter_factory("w4a16", smollm.model)
     assert factory is not None
     borrowing = factory()
-    assert isinstance(borrowing, DraftModelDrafter) and borrowing.borrow_prompt_kv
-    own = DraftModelDrafter(borrowing.model, "w4a16", borrow_prompt_kv=False)
+    assert isinstance(borrowing, DraftModelDrafter) and borrowing.borrow_kv
+    own = DraftModelDrafter(borrowing.model, "w4a16", borrow_kv=False)
     for drafter, borrowed in ((borrowing, True), (own, False)):
         gen = Generation(smollm.model, smollm.tokenizer, ids, SamplingParams(max_tokens=TOKENS),
                          drafter, 3, smollm.tokenizer.eos_ids)
@@ -122,6 +124,42 @@ def test_quantized_copy_starts_from_the_targets_prompt_kv(
             assert torch.equal(drafter.cache.k[:, 0, :, :n], gen.cache.k[:, 0, :, :n])
         gen.step()
         assert (drafter.catch_up_ns == 0) is borrowed
+        gen.next_k = 0  # three steps without drafting: the drafter is not asked
+        for _ in range(3):
+            gen.step()
+        n = gen.cache.lengths[0]
+        if borrowed:
+            assert drafter.fed == gen.context[:n]
+            assert torch.equal(drafter.cache.v[:, 0, :, :n], gen.cache.v[:, 0, :, :n])
+        gen.next_k = 3
+        gen.step()
+        assert (drafter.catch_up_ns == 0) is borrowed
         for _ in gen.run():
             pass
         assert gen.output == expected
+
+
+COPYING = ('Repeat the following text exactly, word for word: "Alice packed three red apples, '
+           "two ripe pears and a loaf of bread into her basket, then walked along the river path "
+           'to visit her grandmother, who lived in a small stone cottage beyond the mill."')
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_lookup_then_copy_hybrid_is_token_identical_and_uses_both(
+    smollm: LoadedModel, k: int
+) -> None:
+    """ngram+w4a16 drafts some steps by lookup and the others with the 4-bit copy (on a prompt
+    whose answer repeats it, both happen); the output is the target's."""
+    from specdecode.drafters.hybrid import HybridDrafter
+
+    ids = smollm.tokenizer.encode(smollm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": COPYING}]))
+    expected = _run(smollm, ids, None, 0).output
+    factory = drafter_factory("ngram+w4a16", smollm.model)
+    assert factory is not None
+    drafter = factory()
+    assert isinstance(drafter, HybridDrafter)
+    gen = _run(smollm, ids, drafter, k)
+    assert gen.output == expected
+    assert min(drafter.used) > 0, drafter.used
+    assert gen.counters.accepted > 0

@@ -105,6 +105,28 @@ def test_draft_model_matches_target_distribution(models: Any, k: int) -> None:
     assert gof_p_value(counts, exact) > FALSE_ALARM
 
 
+def test_lookup_then_model_hybrid_matches_target_distribution(models: Any) -> None:
+    """A request whose steps are drafted now by lookup (one-hot, q None), now by a draft model
+    (q): the choice depends only on the committed context, so every step stays exact. With
+    min_expected 0 the lookup drafts whenever it matches: here after a recovered token that
+    repeats a prompt token, so both kinds of step occur within the first two tokens."""
+    from specdecode.drafters.hybrid import HybridDrafter
+    from specdecode.drafters.ngram import NgramDrafter
+
+    target, draft, _ = models
+    made: list[HybridDrafter] = []
+
+    def make() -> HybridDrafter:
+        made.append(HybridDrafter(NgramDrafter(2, 1), DraftModelDrafter(draft), "ngram+draft",
+                                  min_expected=0.0))
+        return made[-1]
+
+    longer = SamplingParams(**{**PARAMS.__dict__, "max_tokens": 3})  # room to draft at step 2
+    counts = observed_pairs(target, make, 1, SAMPLES, longer)
+    assert gof_p_value(counts, exact_pairs(target, PARAMS)) > FALSE_ALARM
+    assert sum(d.used[0] for d in made) > 20 and sum(d.used[1] for d in made) > 20
+
+
 def test_plain_sampling_matches_target_distribution(models: Any) -> None:
     target = models[0]
     assert gof_p_value(observed_pairs(target, None, 0, SAMPLES), exact_pairs(target, PARAMS)) \

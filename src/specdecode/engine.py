@@ -37,7 +37,7 @@ from specdecode.drafters.base import (
     Drafter,
     fits_width,
     ids_tensor,
-    takes_prompt_kv,
+    takes_kv,
     wants_hidden,
 )
 from specdecode.errors import SpecDecodeError
@@ -112,6 +112,7 @@ class Generation:
         self.wants_hidden = wants_hidden(drafter)  # the drafter observes the target's features
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
         self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
+        self._lent = 0  # committed positions whose target KV the drafter holds (take_kv)
 
     @property
     def prefilled(self) -> bool:
@@ -135,19 +136,22 @@ class Generation:
                     self.model(chunk, self.cache, logits_for="none")
         self._prefilled = end
         if self.prefilled:
-            self._lend_prompt_kv()
+            self._lend_kv()
         self.counters.prefill_ns += time.perf_counter_ns() - start
         return self.prefilled
 
-    def _lend_prompt_kv(self) -> None:
-        """Hand the prompt's keys and values to a drafter that takes them (a quantized copy of
-        the target: it skips its own prefill of the prompt; drafters.base.PromptKVTaker)."""
-        if self.drafter is not None and takes_prompt_kv(self.drafter) and hasattr(
-                self.cache, "k"):
-            n = self._prefilled
-            self.drafter.take_prompt_kv(  # type: ignore[attr-defined]
-                self.context[:n], self.cache.k[:, self.row, :, :n],
-                self.cache.v[:, self.row, :, :n])
+    def _lend_kv(self) -> None:
+        """Hand the target's keys and values of the positions committed since the last call to a
+        drafter that takes them (a quantized copy of the target: it skips its own prefill of the
+        prompt and its catching up with tokens it did not draft; drafters.base.KVTaker)."""
+        if self.drafter is None or not takes_kv(self.drafter) or not hasattr(self.cache, "k"):
+            return
+        start, end = self._lent, self.cache.lengths[self.row]
+        if end > start:
+            self.drafter.take_kv(  # type: ignore[attr-defined]
+                self.context[:end], start, self.cache.k[:, self.row, :, start:end],
+                self.cache.v[:, self.row, :, start:end])
+            self._lent = end
 
     def adopt_prefill(self, template: Generation) -> None:
         """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
@@ -161,7 +165,7 @@ class Generation:
         self.cache.v[:, 0, :, :n] = template.cache.v[:, template.row, :, :n]
         self.cache.lengths[0] = n
         self._prefilled = n
-        self._lend_prompt_kv()
+        self._lend_kv()
 
     def step(self) -> StepOutput:
         """One whole speculative step on this request's own cache."""
@@ -209,6 +213,7 @@ class Generation:
         if hidden is not None and self.wants_hidden:  # features of the kept positions
             self.drafter.observe(hidden[: result.num_accepted + 1], base)  # type: ignore[union-attr]
         out = self._emit(result.tokens.tolist())
+        self._lend_kv()  # the committed positions' KV, to a drafter that holds the target's
         c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
         c.record_alpha(alphas)
         self.last_alphas = alphas

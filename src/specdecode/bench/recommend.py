@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from specdecode.bench.records import ConfigSpec
@@ -125,6 +125,14 @@ def _on_prefix(analysis: Analysis, runs: list[ConfigSummary]) -> list[ConfigSumm
 def vllm_speculative_config(spec: ConfigSpec, k: int) -> tuple[dict[str, Any] | None, str]:
     """vLLM's speculative_config for a configuration, and a note (why None, or caveats)."""
     opts = spec.options
+    if spec.drafter.startswith("ngram+"):  # lookup first, a model drafter otherwise
+        cfg_m, note_m = vllm_speculative_config(
+            replace(spec, drafter=spec.drafter.removeprefix("ngram+")), k)
+        note = (f"vLLM runs one drafting method per deployment: this is {spec.drafter}'s model "
+                "part alone, without the n-gram lookup it tries first, so re-measure it")
+        if cfg_m is None:
+            return None, note_m
+        return cfg_m, f"{note}; {note_m}" if note_m else note
     if spec.drafter == "ngram":
         cfg: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k}
         for ours, theirs in (("ngram_max", "prompt_lookup_max"), ("ngram_min",

@@ -66,18 +66,21 @@ def wants_hidden(drafter: object) -> bool:
     return callable(getattr(drafter, "observe", None))
 
 
-class PromptKVTaker(Protocol):
+class KVTaker(Protocol):
     """Optional: a drafter whose model has the target's cache layout (a quantized copy of the
-    target) and starts from the target's keys and values of the prompt instead of prefilling it
-    again. The engine calls `take_prompt_kv(tokens, k, v)` once the prompt is prefilled, with
-    k and v (layers, kv_heads, n, head_dim) for the n prompt tokens `tokens`."""
+    target) and holds the target's keys and values of the committed context instead of computing
+    its own. The engine calls `take_kv(tokens, start, k, v)` once the prompt is prefilled
+    (start 0) and after every step, with k and v (layers, kv_heads, n, head_dim) for the
+    committed positions start..len(tokens)-1 it has not lent before; `tokens` is the context up
+    to them. The drafter then computes only its draft positions (and the pending token)."""
 
-    def take_prompt_kv(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def take_kv(self, tokens: list[int], start: int, k: torch.Tensor, v: torch.Tensor
+                ) -> None: ...
 
 
-def takes_prompt_kv(drafter: object) -> bool:
-    """True when `drafter` has a `take_prompt_kv` method (PromptKVTaker)."""
-    return callable(getattr(drafter, "take_prompt_kv", None))
+def takes_kv(drafter: object) -> bool:
+    """True when `drafter` has a `take_kv` method (KVTaker)."""
+    return callable(getattr(drafter, "take_kv", None))
 
 
 def fits_width(drafter: object) -> bool:

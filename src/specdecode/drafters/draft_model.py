@@ -3,10 +3,12 @@ w4a16). The draft keeps its own KV cache; on every proposal it re-syncs with the
 context by rolling back to the longest common prefix, then drafts k tokens one by one, each from
 q computed by the same sampling pipeline as the target's p.
 
-A quantized copy has the target's cache layout, and with `borrow_prompt_kv` it starts from the
-target's keys and values of the prompt (handed over by the engine after the target's prefill)
-instead of prefilling the prompt through its own weights: the draft then attends over the
-target's own prompt KV (a closer draft, if anything), and a long prompt costs no draft prefill.
+A quantized copy has the target's cache layout, and with `borrow_kv` it holds the target's keys
+and values of the prompt (handed over by the engine after the target's prefill) and of every
+token committed since (after each step) instead of computing them through its own weights: it
+computes only its draft positions, the draft attends over the target's own KV (a closer draft,
+if anything), a long prompt costs no draft prefill, and the steps it sits out (another drafter
+drafted, or speculation was off) cost no catching up.
 That prefill was the copy's largest cost on long prompts: PyTorch's 4-bit kernel runs many rows
 1.6-1.8x slower than fp32 sgemm (64-256 rows of a 3072 x 576 product, 2 threads), so on
 Spec-Bench summarization (600-900-token prompts, 64 new tokens) the w4a16 copy's drafting cost
@@ -39,11 +41,11 @@ class DraftModelDrafter:
     """Drafts with `model` in its own KV cache, which grows with the request up to `capacity`."""
 
     def __init__(self, model: Any, name: str = "draft-model", capacity: int = 4096,
-                 borrow_prompt_kv: bool = False) -> None:
+                 borrow_kv: bool = False) -> None:
         self.name = name
         self.model = model
         self.capacity = capacity
-        self.borrow_prompt_kv = borrow_prompt_kv
+        self.borrow_kv = borrow_kv
         self.cache: Any = None
         self.fed: list[int] = []  # tokens whose KV the draft cache holds, in order
         self.catch_up_ns = 0  # time the last propose spent catching up (see _sync)
@@ -60,26 +62,31 @@ class DraftModelDrafter:
         self._write_prefix(other.cache.k[:, 0, :, :n], other.cache.v[:, 0, :, :n])
         self.fed = list(other.fed)
 
-    def take_prompt_kv(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Start from the target's keys and values (layers, kv_heads, n, head_dim) of the prompt
-        `tokens` (with borrow_prompt_kv, and only where the layouts match)."""
-        if not self.borrow_prompt_kv or not tokens:
+    def take_kv(self, tokens: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold the target's keys and values (layers, kv_heads, n, head_dim) of the committed
+        positions start..len(tokens)-1 of `tokens` (with borrow_kv, and only where the layouts
+        match, and the cache's first `start` positions hold the same tokens)."""
+        if not self.borrow_kv or not tokens:
             return
-        self.reset()
+        if start == 0:
+            self.reset()
+        elif self.fed[:start] != tokens[:start]:
+            return  # not the context lent before: the draft catches up by itself
         self._reserve(len(tokens) + 1)
         own = getattr(self.cache, "k", None)
         if own is None or own.dtype != k.dtype or (own.shape[0], own.shape[2], own.shape[4]) != (
                 k.shape[0], k.shape[1], k.shape[3]):
-            return  # another layout: the draft prefills the prompt itself
-        self._write_prefix(k, v)
+            return  # another layout: the draft computes its own
+        self._write_prefix(k, v, start)
         self.fed = list(tokens)
 
-    def _write_prefix(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Hold keys and values (layers, kv_heads, n, head_dim) as the cache's first n slots."""
-        n = k.shape[2]
-        self.cache.k[:, 0, :, :n] = k
-        self.cache.v[:, 0, :, :n] = v
-        self.cache.lengths[0] = n
+    def _write_prefix(self, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Hold keys and values (layers, kv_heads, n, head_dim) as the cache's slots
+        start..start+n-1, the cache then holding start + n positions."""
+        end = start + k.shape[2]
+        self.cache.k[:, 0, :, start:end] = k
+        self.cache.v[:, 0, :, start:end] = v
+        self.cache.lengths[0] = end
 
     def _reserve(self, tokens: int) -> None:
         """Make the cache hold `tokens` positions: allocate, or grow (doubling) with one copy."""

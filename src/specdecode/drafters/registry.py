@@ -14,7 +14,8 @@ from specdecode.drafters.base import Drafter
 from specdecode.errors import SpecDecodeError
 
 DRAFTERS = ("none", "draft-model", "int8", "w4a16", "ngram", "layerskip", "heads", "distilled",
-            "xtok")
+            "xtok", "ngram+w4a16", "ngram+int8", "ngram+distilled", "ngram+draft-model",
+            "ngram+layerskip")
 
 DrafterFactory = Callable[[], Drafter]
 
@@ -76,10 +77,22 @@ def drafter_factory(
     `tokenizer` (once per model; see drafters.layerskip). heads: the folder of trained heads
     (default: the weights shipped for the default target; refused if made for another target).
     distilled: the folder of a distilled draft (default: the one shipped for the default target;
-    refused if made for another target).
+    refused if made for another target). ngram+X: prompt lookup where it expects to pay, else
+    drafter X (drafters.hybrid).
     """
     from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
     from specdecode.models.precision import apply_precision, quantize_int8
+
+    if name.startswith("ngram+") and name in DRAFTERS:  # lookup first, then a model drafter
+        from specdecode.drafters.hybrid import HybridDrafter
+
+        lookup = drafter_factory("ngram", target, ngram_max=ngram_max, ngram_min=ngram_min)
+        model = drafter_factory(name.removeprefix("ngram+"), target, draft_model, capacity,
+                                layers=layers, tokenizer=tokenizer, distilled=distilled)
+        if lookup is None or model is None:
+            raise SpecDecodeError(f"--drafter {name} needs a drafter after 'ngram+'")
+        make_lookup, make_model = lookup, model
+        return lambda: HybridDrafter(make_lookup(), make_model(), name)
 
     if name == "none":
         return None
@@ -129,7 +142,7 @@ def drafter_factory(
             weights = quantize_int8(copy.deepcopy(target))
         else:  # a new model (4-bit blocks, bf16 ends); the target's norms shared, unchanged
             weights = apply_precision(target, "w4a16")
-        return lambda: DraftModelDrafter(weights, name, capacity, borrow_prompt_kv=True)
+        return lambda: DraftModelDrafter(weights, name, capacity, borrow_kv=True)
     if name == "draft-model":
         if not draft_model:
             raise SpecDecodeError("--drafter draft-model needs --draft-model PATH")

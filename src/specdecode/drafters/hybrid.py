@@ -1,0 +1,84 @@
+"""Prompt lookup first, a model drafter where lookup has nothing worth verifying.
+
+The two families fail in opposite places. Prompt lookup costs nothing to run and is right for
+long stretches where the output copies its input (a summary quoting its article, an answer
+quoting its retrieved passage, code edited in place), and wrong almost everywhere else. A
+quantized copy of the target is right ~90% of the time everywhere, but each draft token costs
+about half a target step here (SmolLM2's 4-bit copy, c ~0.5), which caps it near 1.5x even at
+full acceptance (a step drafting k=3 costs 1.5 + v(4) ~ 2.7 target steps for ~3.7 tokens).
+
+So each step the hybrid asks the lookup first and keeps its proposal when the tokens it
+expects to get accepted, sum_j prod_{i<=j} confidence_i (the n-gram drafter's per-token rates,
+drafters.ngram), reach `min_expected`; only otherwise does it run the model. The threshold's
+default, 0.6, comes from the costs above: the copy emits ~1.25 tokens per target step at any k
+(k=1: 1.9 tokens for 0.5 + 1.02 steps; k=3: 3.4 for 1.5 + 1.23), and a free lookup draft
+expecting e accepted tokens, verified at width T (v(T) ~1.0-1.25 here), emits (1 + e) / v(T),
+which matches it at e ~0.3-0.55; 0.6 keeps a margin for the rates being estimates. A 3-token
+greedy match (rates 0.6, 0.7, ...) clears it at any k, a 2-token one (0.45, 0.6, ...) from k=2,
+a 1-token one (0.2, 0.45, ...) at no k.
+
+The model drafter should borrow the target's KV (drafters.base.KVTaker; the quantized copies
+do): then the steps the lookup drafted cost it no catching up. Lossless either way: a lookup
+draft is verified as one-hot, a model draft against the q it was drawn from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.drafters.base import Draft, Drafter, takes_kv
+from specdecode.sampling import SamplingParams
+
+MIN_EXPECTED = 0.6
+
+
+def expected_accepted(confidence: tuple[float, ...]) -> float:
+    """Expected accepted tokens of a draft whose token j is accepted with probability
+    confidence[j] given the ones before it were."""
+    total, survive = 0.0, 1.0
+    for c in confidence:
+        survive *= c
+        total += survive
+    return total
+
+
+class HybridDrafter:
+    """One request's drafter: `lookup` (a drafter whose drafts carry confidences, such as
+    drafters.ngram) when it expects >= `min_expected` accepted tokens, else `model`. `used`
+    counts the steps each drafted (lookup, model)."""
+
+    def __init__(self, lookup: Drafter, model: Drafter, name: str,
+                 min_expected: float = MIN_EXPECTED) -> None:
+        self.lookup, self.model, self.name = lookup, model, name
+        self.min_expected = min_expected
+        self.catch_up_ns = 0  # the model's catching up this step (0 when the lookup drafted)
+        self.used = [0, 0]
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.model.reset()
+
+    def take_kv(self, tokens: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if takes_kv(self.model):
+            self.model.take_kv(tokens, start, k, v)  # type: ignore[attr-defined]
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        k: int,
+        params: SamplingParams,
+        prompt_len: int,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        self.catch_up_ns = 0
+        # the lookup is asked every step, so its rates keep being scored against what the
+        # target commits even on the steps the model drafts
+        draft = self.lookup.propose(context, k, params, prompt_len, generator)
+        if draft.confidence is not None and expected_accepted(draft.confidence) >= \
+                self.min_expected:
+            self.used[0] += 1
+            return draft
+        self.used[1] += 1
+        draft = self.model.propose(context, k, params, prompt_len, generator)
+        self.catch_up_ns = int(getattr(self.model, "catch_up_ns", 0))
+        return draft
