@@ -15,7 +15,12 @@ TOKENS = 32
 
 
 def _run(m: LoadedModel, prompt_ids: list[int], drafter: object, k: int) -> Generation:
-    gen = Generation(m.model, m.tokenizer, prompt_ids, SamplingParams(max_tokens=TOKENS),
+    return _run_tokens(m, prompt_ids, drafter, k, TOKENS)
+
+
+def _run_tokens(m: LoadedModel, prompt_ids: list[int], drafter: object, k: int,
+                tokens: int) -> Generation:
+    gen = Generation(m.model, m.tokenizer, prompt_ids, SamplingParams(max_tokens=tokens),
                      drafter, k, m.tokenizer.eos_ids)  # type: ignore[arg-type]
     for _ in gen.run():
         pass
@@ -137,6 +142,21 @@ def test_quantized_copy_holds_the_targets_kv_of_the_committed_context(
         for _ in gen.run():
             pass
         assert gen.output == expected
+
+
+def test_quantized_copy_takes_the_targets_kv_past_its_first_cache_size(
+    smollm: LoadedModel, plain: tuple[list[int], list[int]]
+) -> None:
+    """The copy's cache grows (doubling from 128 positions) while it drafts, inside inference
+    mode; the target's KV is still written into it after every step."""
+    ids, _ = plain
+    longer = _run_tokens(smollm, ids, None, 0, 96)
+    factory = drafter_factory("w4a16", smollm.model)
+    assert factory is not None
+    drafter = factory()
+    gen = _run_tokens(smollm, ids, drafter, 3, 96)
+    assert len(ids) + 96 > 128 and drafter.cache.capacity > 128  # type: ignore[attr-defined]
+    assert gen.output == longer.output
 
 
 COPYING = ('Repeat the following text exactly, word for word: "Alice packed three red apples, '

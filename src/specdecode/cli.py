@@ -37,8 +37,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none",
                    help="none | int8 | w4a16 | ngram | layerskip | heads (--heads) | distilled | "
-                        "draft-model | xtok "
-                        "(these two with --draft-model)")
+                        "draft-model | xtok (these two with --draft-model) | ngram+X (prompt "
+                        "lookup where it expects to pay, else drafter X: w4a16, int8, "
+                        "distilled, draft-model, layerskip)")
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
                         "tokenizer as the target) or xtok (any tokenizer: drafts through text)")

@@ -148,9 +148,10 @@ class Generation:
             return
         start, end = self._lent, self.cache.lengths[self.row]
         if end > start:
-            self.drafter.take_kv(  # type: ignore[attr-defined]
-                self.context[:end], start, self.cache.k[:, self.row, :, start:end],
-                self.cache.v[:, self.row, :, start:end])
+            with torch.inference_mode():  # the drafter's cache may be an inference tensor
+                self.drafter.take_kv(  # type: ignore[attr-defined]
+                    self.context[:end], start, self.cache.k[:, self.row, :, start:end],
+                    self.cache.v[:, self.row, :, start:end])
             self._lent = end
 
     def adopt_prefill(self, template: Generation) -> None:
