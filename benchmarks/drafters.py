@@ -19,7 +19,8 @@ Workloads: the built-in prompts by category, and any Spec-Bench-format file
 
     python benchmarks/drafters.py [--drafters ngram:4,ngram:auto,layerskip:3,int8:3,heads:4]
         [--per-category 2] [--max-tokens 64] [--temperatures 0,0.7] [--threads 2]
-        [--specbench FILE] [--categories summarization,rag,coding,...] [--out F.json]
+        [--specbench FILE] [--categories summarization,rag,coding,...] [--no-builtin]
+        [--out F.json]
         [--precision fp32|bf16]
 """
 
@@ -86,7 +87,7 @@ def training_cost(name: str) -> str:
 
 def prompts_by_category(args: argparse.Namespace) -> dict[str, list[Prompt]]:
     groups: dict[str, list[Prompt]] = {}
-    sources = [load_default_workload(None).prompts]
+    sources = [load_default_workload(None).prompts if args.builtin else []]
     if args.specbench and Path(args.specbench).exists():
         cats = args.categories.split(",") if args.categories else None
         sources.append(load_workload(args.specbench, categories=cats,
@@ -112,6 +113,8 @@ def main() -> None:
     ap.add_argument("--specbench", default=str(SPECBENCH))
     ap.add_argument("--categories", default="summarization,rag,coding,qa,translation,writing")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-builtin", dest="builtin", action="store_false",
+                    help="only the Spec-Bench-format file's prompts")
     ap.add_argument("--precision", default="fp32", help="the target's precision (fp32 | bf16)")
     args = ap.parse_args()
     if args.threads:
