@@ -142,7 +142,7 @@ def test_configs_syntax_names_options_and_baselines() -> None:
 
 def test_default_configs_include_ngram_where_registered() -> None:
     text = commands.default_configs_text()
-    assert text.startswith("plain;w4a16:k=3")
+    assert text.startswith("plain;ngram+w4a16:k=3;w4a16:k=3")
     assert ("ngram:k=4" in text) == ("ngram" in commands.known_drafters())
 
 

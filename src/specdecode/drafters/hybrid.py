@@ -24,6 +24,8 @@ draft is verified as one-hot, a model draft against the q it was drawn from.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from specdecode.drafters.base import Draft, Drafter, takes_kv
@@ -53,6 +55,11 @@ class HybridDrafter:
         self.min_expected = min_expected
         self.catch_up_ns = 0  # the model's catching up this step (0 when the lookup drafted)
         self.used = [0, 0]
+
+    @property
+    def cache(self) -> Any:
+        """The model drafter's KV cache (memory accounting reads `drafter.cache`)."""
+        return getattr(self.model, "cache", None)
 
     def reset(self) -> None:
         self.lookup.reset()
