@@ -146,6 +146,17 @@ def test_tiny_end_to_end_through_the_harness(tiny: LoadedModel, tmp_path: Path) 
     assert all(c > 0 for c in curves["int8"].c) and curves["int8"].v[0] > 0
 
 
+def test_a_hybrid_gets_no_synthetic_cost_curve(tiny: LoadedModel) -> None:
+    """On the repeating context of a cost curve the lookup half of ngram+int8 always matches, so
+    a curve would show it drafting for free; its c comes from the run's timings instead."""
+    runner = InProcessRunner(tiny, default_max_tokens=12, audit_samples=0, cost_repeats=1)
+    hybrid = ConfigSpec("h-k2", "ngram+int8", 2)
+    runner.fit_capacity(tiny_prompts(), 2)
+    runner.check([PLAIN, INT8, hybrid])
+    curves = runner.cost_curves([PLAIN, INT8, hybrid])
+    assert [c.drafter for c in curves] == ["int8"]
+
+
 class Interrupting(InProcessRunner):
     """Records timed run() calls; raises KeyboardInterrupt (Ctrl-C) on call `after` + 1
     (never when `after` < 0)."""
