@@ -22,12 +22,13 @@ peak RSS). Then, per workload, the batch size from
 which the best fixed k no longer beats plain.
 
     python benchmarks/batch_sweep.py [--batches 1,2,4,8,16,32] [--max-tokens 48] [--out F.json]
-        [--configs plain,k=1,k=2,k=4,auto] [--workloads summarization,writing]
+        [--configs plain,k=1,k=2,k=4,auto,auto-cap] [--cap 1.5] [--workloads summarization,writing]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import statistics
@@ -48,7 +49,7 @@ from specdecode.sampling import SamplingParams
 
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"
 CONFIGS: list[tuple[str, int | str]] = [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=4", 4),
-                                        ("auto", "auto")]
+                                        ("auto", "auto"), ("auto-cap", "auto")]
 KMAX = 6
 
 
@@ -122,15 +123,16 @@ def pct(xs: list[float], q: int) -> float:
 
 
 def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens: int,
-                  rounds: int, batch: int, configs: list[tuple[str, int | str]] = CONFIGS
-                  ) -> list[dict[str, Any]]:
+                  rounds: int, batch: int, configs: list[tuple[str, int | str]] = CONFIGS,
+                  cap: float = 1.5) -> list[dict[str, Any]]:
     """Every config `rounds` times, the order rotated each round; per config: the median of
     its throughput ratio to the same round's plain run, with min-max, and pooled ITLs."""
     templates = prefilled(loaded, texts, temperature, max_tokens)
     run_cell(loaded, templates[:1], 2, None, 1)  # warm-up
     context = round(statistics.mean(t.prompt_len for t in templates))
-    controller = Controller(kmax=KMAX, costs=calibrated_costs(
-        loaded.model, [batch], KMAX, context=context, repeats=2))
+    costs = calibrated_costs(loaded.model, [batch], KMAX, context=context, repeats=2)
+    controllers = {label: Controller(kmax=KMAX, costs=copy.deepcopy(costs), max_step_cost=(
+        cap if label == "auto-cap" else None)) for label, k in configs if k == "auto"}
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
     # one drafter factory per configuration, kept over its rounds (its drafters share what
     # they learn of acceptance by match length, as a server's do)
@@ -138,7 +140,7 @@ def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens:
     for r in range(rounds):
         order = configs[r % len(configs):] + configs[: r % len(configs)]
         for label, k in order:
-            runs[label].append(run_cell(loaded, templates, k, controller, batch,
+            runs[label].append(run_cell(loaded, templates, k, controllers.get(label), batch,
                                         makers[label]))
     cells = []
     for label, _ in configs:
@@ -174,8 +176,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default=",".join(label for label, _ in CONFIGS),
-                    help="a subset of plain,k=1,k=2,k=4,auto (plain is always run: the ratios)")
+                    help="a subset of plain,k=1,k=2,k=4,auto,auto-cap (plain is always run: the "
+                    "ratios)")
     ap.add_argument("--workloads", default="summarization,writing")
+    ap.add_argument("--cap", type=float, default=1.5,
+                    help="auto-cap: auto with no step costing more than this many plain steps")
     args = ap.parse_args()
     wanted = {"plain", *args.configs.split(",")}
     configs = [c for c in CONFIGS if c[0] in wanted]
@@ -207,7 +212,7 @@ def main() -> None:
             texts = prompts(category, max(args.requests_per_slot * batch, args.min_requests),
                             cut)
             for cell in measure_batch(loaded, texts, temperature, args.max_tokens, args.rounds,
-                                      batch, configs):
+                                      batch, configs, args.cap):
                 cell.update(workload=name, batch=batch)
                 results.append(cell)
                 acc = cell["accepted_per_drafted"]
@@ -238,7 +243,8 @@ def summarize(name: str, cells: list[dict[str, Any]], batches: list[int]) -> Non
         auto = next((r for r in at(b) if r["config"] == "auto"), None)
         if auto is None:
             continue
-        best = max((r for r in at(b) if r["config"] != "auto"), key=lambda r: r["ratio"])
+        best = max((r for r in at(b) if not r["config"].startswith("auto")),
+                   key=lambda r: r["ratio"])
         print(f"  batch {b:2d}: auto {auto['ratio']:.2f}x plain; best fixed {best['config']} "
               f"{best['ratio']:.2f}x; auto / best {auto['ratio'] / best['ratio']:.2f}")
 

@@ -275,3 +275,19 @@ def test_drafters_with_confidences_are_fitted_not_switched_off(smollm: LoadedMod
     assert gens[0].counters.drafted > 0 and gens[1].counters.drafted == 0
     for gen in gens:
         assert gen.output == _solo(smollm, ids, params)
+
+
+def test_a_step_cost_cap_bounds_every_steps_width() -> None:
+    """max_step_cost: no step may cost more than that many plain steps of its batch. Where wide
+    steps pay (near-certain drafts, each position +0.3 of a step) the controller and fit_width
+    would verify 6 draft tokens; capped at 1.7 plain steps, at most 2 (width 3 costs 1.6)."""
+    costs = CostModel(target_s={(8, w): 1.0 + 0.3 * (w - 1) for w in range(1, 8)})
+    free = Controller(kmax=6, costs=CostModel(dict(costs.target_s), draft_token_s=1e-6))
+    capped = Controller(kmax=6, costs=CostModel(dict(costs.target_s), draft_token_s=1e-6),
+                        max_step_cost=1.7)
+    assert (free.max_width(8), capped.max_width(8)) == (7, 3)
+    sure = [AlphaEstimate(0.99) for _ in range(8)]
+    assert max(free.choose(sure)) == 6 and max(capped.choose(sure)) == 2
+    drafts = [Draft(torch.arange(6), None, (0.99,) * 6) for _ in range(8)]
+    assert {len(d.tokens) for d in fit_width(drafts, costs)} == {6}
+    assert {len(d.tokens) for d in fit_width(drafts, costs, capped.max_width(8))} == {2}

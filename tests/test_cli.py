@@ -57,6 +57,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--drafter", "telepathy"], ["telepathy"]),
         (["--drafter", "draft-model"], ["--draft-model"]),
         (["--precision", "fp4"], ["fp4"]),
+        (["--drafter", "ngram", "--max-step-cost", "0.5"], ["--max-step-cost", "0.5"]),
+        (["--drafter", "ngram", "--max-step-cost", "nan"], ["--max-step-cost", "nan"]),
     ],
 )
 def test_invalid_options(tiny: Path, args: list[str], needles: list[str]) -> None:

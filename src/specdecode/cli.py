@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -51,6 +52,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="draft length 1..64, or auto (default): the controller picks 0..--kmax "
                         "per step from measured acceptance and costs")
     p.add_argument("--kmax", type=int, default=8, help="largest draft length for --k auto")
+    p.add_argument("--max-step-cost", type=float, default=None,
+                   help="under --k auto, no step may cost more than this many plain steps of "
+                        "the same batch (bounds the inter-token latency tail; default: no cap)")
 
 
 def _params(args: argparse.Namespace) -> Any:
@@ -80,14 +84,18 @@ def _check_k(args: argparse.Namespace) -> None:
     if not 1 <= args.k <= 64:
         name = "--kmax" if args.auto else "--k"
         raise SpecDecodeError(f"{name} must be in 1..64, got {args.k}")
+    cap = getattr(args, "max_step_cost", None)
+    if cap is not None and not (math.isfinite(cap) and cap >= 1.0):
+        raise SpecDecodeError(f"--max-step-cost must be a number >= 1 (plain steps), got {cap}")
 
 
-def _auto_steps(model: Any, gen: Any) -> Iterator[Any]:
+def _auto_steps(model: Any, gen: Any, max_step_cost: float | None = None) -> Iterator[Any]:
     """Steps of `gen` under the controller (--k auto): a batch-1 engine, costs measured first."""
     from specdecode.control import Controller, calibrated_costs
     from specdecode.engine import BatchEngine
 
-    controller = Controller(kmax=gen.k, costs=calibrated_costs(model, [1], gen.k))
+    controller = Controller(kmax=gen.k, costs=calibrated_costs(model, [1], gen.k),
+                            max_step_cost=max_step_cost)
     engine = BatchEngine(model, 1, gen.capacity, controller=controller)
     engine.submit(gen)
 
@@ -115,7 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode_prompt(text), params,
                      factory() if factory else None, args.k, eos)
-    steps = _auto_steps(loaded.model, gen) if args.auto and factory else gen.run()
+    steps = _auto_steps(loaded.model, gen, args.max_step_cost) if args.auto and factory else \
+        gen.run()
     start = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []

@@ -160,6 +160,21 @@ class Controller:
 
     categories: dict[str, AlphaEstimate] = field(default_factory=dict)
     category_weight: float = 0.02
+    # Tail-latency cap: no step may cost more than this many plain steps of the same batch
+    # (None: no cap). A step's time is every request's inter-token latency that step, so the
+    # cap bounds the ITL tail that wide steps make, at the price of the throughput they bring.
+    max_step_cost: float | None = None
+
+    def max_width(self, batch: int) -> int:
+        """The widest verification width T (1 + draft tokens) a step of `batch` rows may take:
+        kmax + 1, or less under max_step_cost (from the measured t(B, T))."""
+        if self.max_step_cost is None:
+            return self.kmax + 1
+        limit = self.max_step_cost * self.costs.target(batch, 1)
+        width = 1
+        while width <= self.kmax and self.costs.target(batch, width + 1) <= limit:
+            width += 1
+        return width
 
     def new_estimate(self, category: str | None = None) -> AlphaEstimate:
         """A request's starting estimate: its category's running alpha, else the prior."""
@@ -208,7 +223,7 @@ class Controller:
         batch = len(alphas)
         plain_rate = batch / self.costs.target(batch, 1)
         best_rate, best = plain_rate, [0] * batch
-        for width_k in range(1, self.kmax + 1):
+        for width_k in range(1, self.max_width(batch)):
             ks = [_best_k(a, width_k, best_rate * draft_s) for a in alphas]
             if max(ks) == 0:
                 continue

@@ -417,7 +417,8 @@ class BatchEngine:
             drafts.append(gen.propose())
             gen.counters.draft_ns += time.perf_counter_ns() - t0
         if self.controller is not None:  # --k auto: verify what pays; a fixed k is kept
-            drafts = fit_width(drafts, self.controller.costs)
+            drafts = fit_width(drafts, self.controller.costs,
+                               self.controller.max_width(len(drafts)))
         drafted = sum(len(d.tokens) for d in drafts)
         if self.controller is not None and drafted:
             catch_up = sum(g.catch_up_ns for g in self.active)
@@ -447,9 +448,13 @@ class BatchEngine:
         return logits, hidden
 
 
-def fit_width(drafts: list[Draft], costs: CostModel) -> list[Draft]:
+def fit_width(drafts: list[Draft], costs: CostModel, max_width: int | None = None
+              ) -> list[Draft]:
     """Cut a batch step's drafts to the verification width that pays (control.best_width, from
-    the measured t(B, T)); drafts without confidences are kept whole, setting the least width."""
+    the measured t(B, T)), and to `max_width` (the controller's tail-latency cap); drafts without
+    confidences are kept whole, setting the least width."""
+    if max_width is not None:
+        drafts = [cut(d, max_width - 1) if d.confidence is not None else d for d in drafts]
     if all(d.confidence is None for d in drafts):
         return drafts
     kept = [len(d.tokens) for d in drafts if d.confidence is None]
@@ -457,9 +462,15 @@ def fit_width(drafts: list[Draft], costs: CostModel) -> list[Draft]:
                        lambda t: costs.target(len(drafts), t),
                        floor=max(kept, default=0) + 1,
                        fixed_tokens=float(sum(k + 1 for k in kept)))
-    return [d if d.confidence is None or len(d.tokens) < width else
-            Draft(d.tokens[: width - 1], None if d.q is None else d.q[: width - 1],
-                  d.confidence[: width - 1]) for d in drafts]
+    return [d if d.confidence is None else cut(d, width - 1) for d in drafts]
+
+
+def cut(draft: Draft, k: int) -> Draft:
+    """The draft's first k tokens (with their q and confidences)."""
+    if len(draft.tokens) <= k:
+        return draft
+    return Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k],
+                 None if draft.confidence is None else draft.confidence[:k])
 
 
 def score(model: Any, tokens: torch.Tensor, cache: Any, want_hidden: bool,

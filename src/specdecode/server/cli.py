@@ -55,7 +55,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         drafter=args.drafter, draft_model=args.draft_model, k=args.k, auto=args.auto,
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_queue=args.max_queue,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name, max_step_cost=args.max_step_cost,
     )
     options.check()
     return options

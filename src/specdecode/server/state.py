@@ -39,6 +39,7 @@ class ServeOptions:
     api_key: str | None = None
     served_model_name: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    max_step_cost: float | None = None  # under auto: the controller's tail-latency cap
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
@@ -94,7 +95,7 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
     controller = None
     if factory is not None and options.auto:
         costs = costs or calibrated_costs(model, _calibration_batches(options.max_batch), k)
-        controller = Controller(kmax=k, costs=costs)
+        controller = Controller(kmax=k, costs=costs, max_step_cost=options.max_step_cost)
     engine = BatchEngine(model, options.max_batch, options.max_seq_len, controller=controller)
     name = options.served_model_name or loaded.name
     served = ServedModel(
