@@ -321,6 +321,21 @@ def test_smollm_chat_through_the_server_equals_plain_decoding(smollm: LoadedMode
         assert metric(srv, "spec_decode_num_accepted_tokens_total") > 0
 
 
+def test_serve_caps_each_step_at_1_5_plain_steps_unless_told_otherwise(tmp_path: Path) -> None:
+    import argparse
+
+    from specdecode.cli import _check_k
+    from specdecode.server.cli import options_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    for argv, cap in (([], 1.5), (["--max-step-cost", "2"], 2.0),
+                      (["--max-step-cost", "inf"], float("inf"))):
+        args = parser.parse_args(["serve", "--model", str(tmp_path), *argv])
+        _check_k(args)
+        assert options_from_args(args).max_step_cost == cap
+
+
 def test_serve_cli_refuses_bad_options(tmp_path: Path) -> None:
     import argparse
 
@@ -330,7 +345,8 @@ def test_serve_cli_refuses_bad_options(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     for argv, needle in ((["--max-batch", "0"], "--max-batch"), (["--k", "x"], "--k"),
-                         (["--port", "70000"], "--port")):
+                         (["--port", "70000"], "--port"),
+                         (["--max-step-cost", "0.9"], "--max-step-cost")):
         args = parser.parse_args(["serve", "--model", str(tmp_path), *argv])
         with pytest.raises(SpecDecodeError, match=needle):
             args.func(args)
