@@ -52,6 +52,16 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_accepted(confidence: Sequence[float]) -> float:
+    """Expected accepted tokens of a draft whose token j is accepted with probability
+    confidence[j] given the ones before it were: sum_j prod_{i<=j} confidence[i]."""
+    total, survive = 0.0, 1.0
+    for c in confidence:
+        survive *= c
+        total += survive
+    return total
+
+
 def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int], float],
                floor: int = 1, fixed_tokens: float = 0.0, margin: float = PAY_MARGIN) -> int:
     """The verification width T for a batch step whose drafts carry per-token confidences
@@ -70,13 +80,7 @@ def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int
     longest = max((len(c) for c in confidences), default=0)
     rates = {}
     for t in range(floor, max(floor, longest + 1) + 1):
-        emitted = fixed_tokens
-        for conf in confidences:
-            emitted += 1.0
-            survive = 1.0
-            for c in conf[: t - 1]:
-                survive *= c
-                emitted += survive
+        emitted = fixed_tokens + sum(1.0 + expected_accepted(c[: t - 1]) for c in confidences)
         rates[t] = emitted / width_cost(t)
     best_t = max(rates, key=lambda t: (rates[t], -t))
     return best_t if rates[best_t] > rates[floor] * (1 + margin) else floor

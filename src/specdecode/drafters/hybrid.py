@@ -3,9 +3,9 @@
 The two families fail in opposite places. Prompt lookup costs nothing to run and is right for
 long stretches where the output copies its input (a summary quoting its article, an answer
 quoting its retrieved passage, code edited in place), and wrong almost everywhere else. A
-quantized copy of the target is right ~90% of the time everywhere, but each draft token costs
-about half a target step here (SmolLM2's 4-bit copy, c ~0.5), which caps it near 1.5x even at
-full acceptance (a step drafting k=3 costs 1.5 + v(4) ~ 2.7 target steps for ~3.7 tokens).
+quantized copy of the target is right 95-100% of the time everywhere (SmolLM2's 4-bit copy,
+greedy), but each draft token costs about half a target step here (c ~0.5), which caps it near
+1.5x even at full acceptance (a step drafting k=3 costs 1.5 + v(4) ~ 2.7 target steps for ~3.7 tokens).
 
 So each step the hybrid asks the lookup first and keeps its proposal when the tokens it
 expects to get accepted, sum_j prod_{i<=j} confidence_i (the n-gram drafter's per-token rates,
@@ -18,7 +18,8 @@ greedy match (rates 0.6, 0.7, ...) clears it at any k, a 2-token one (0.45, 0.6,
 a 1-token one (0.2, 0.45, ...) at no k.
 
 The model drafter should borrow the target's KV (drafters.base.KVTaker; the quantized copies
-do): then the steps the lookup drafted cost it no catching up. Lossless either way: a lookup
+do): then the steps the lookup drafted cost it no catching up. Lossless either way: which of
+the two drafts depends only on the committed context (never on a draw of this step), a lookup
 draft is verified as one-hot, a model draft against the q it was drawn from.
 """
 
@@ -28,20 +29,11 @@ from typing import Any
 
 import torch
 
+from specdecode.control import expected_accepted
 from specdecode.drafters.base import Draft, Drafter, takes_kv
 from specdecode.sampling import SamplingParams
 
 MIN_EXPECTED = 0.6
-
-
-def expected_accepted(confidence: tuple[float, ...]) -> float:
-    """Expected accepted tokens of a draft whose token j is accepted with probability
-    confidence[j] given the ones before it were."""
-    total, survive = 0.0, 1.0
-    for c in confidence:
-        survive *= c
-        total += survive
-    return total
 
 
 class HybridDrafter:
