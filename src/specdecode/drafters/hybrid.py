@@ -5,7 +5,8 @@ long stretches where the output copies its input (a summary quoting its article,
 quoting its retrieved passage, code edited in place), and wrong almost everywhere else. A
 quantized copy of the target is right 95-100% of the time everywhere (SmolLM2's 4-bit copy,
 greedy), but each draft token costs about half a target step here (c ~0.5), which caps it near
-1.5x even at full acceptance (a step drafting k=3 costs 1.5 + v(4) ~ 2.7 target steps for ~3.7 tokens).
+1.5x even at full acceptance (a step drafting k=3 costs 1.5 + v(4) ~ 2.7 target steps for ~3.7
+tokens).
 
 So each step the hybrid asks the lookup first and keeps its proposal when the tokens it
 expects to get accepted, sum_j prod_{i<=j} confidence_i (the n-gram drafter's per-token rates,
