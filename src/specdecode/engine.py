@@ -150,7 +150,7 @@ class Generation:
         if end > start:
             with torch.inference_mode():  # the drafter's cache may be an inference tensor
                 self.drafter.take_kv(  # type: ignore[attr-defined]
-                    self.context[:end], start, self.cache.k[:, self.row, :, start:end],
+                    start, self.context[start:end], self.cache.k[:, self.row, :, start:end],
                     self.cache.v[:, self.row, :, start:end])
             self._lent = end
 
@@ -198,8 +198,8 @@ class Generation:
         with torch.inference_mode():
             draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
         self.catch_up_ns = int(getattr(self.drafter, "catch_up_ns", 0))
-        return Draft(draft.tokens[:k].to(torch.long), None if draft.q is None else draft.q[:k],
-                     None if draft.confidence is None else draft.confidence[:k])
+        draft = cut(draft, k)
+        return Draft(draft.tokens.to(torch.long), draft.q, draft.confidence)
 
     def finish_step(self, logits: torch.Tensor, draft: Draft,
                     hidden: torch.Tensor | None = None) -> StepOutput:

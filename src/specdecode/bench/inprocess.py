@@ -51,6 +51,7 @@ from specdecode.bench.records import (
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt
 from specdecode.control import Controller
+from specdecode.drafters.hybrid import model_part
 from specdecode.drafters.registry import DrafterFactory, drafter_factory
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
@@ -228,11 +229,6 @@ def weights_digest(source: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------- runner
-
-
-def is_hybrid(drafter: str) -> bool:
-    """A drafter that combines two (drafters.hybrid: "ngram+X")."""
-    return "+" in drafter
 
 
 def factory_key(config: ConfigSpec) -> str:
@@ -444,7 +440,7 @@ class InProcessRunner:
         """
         groups: dict[str, list[ConfigSpec]] = {}
         for c in configs:
-            if not c.is_plain and c.batch_size == 1 and not is_hybrid(c.drafter):
+            if not c.is_plain and c.batch_size == 1 and model_part(c.drafter) is None:
                 groups.setdefault(factory_key(c), []).append(c)
         if not groups:
             return []

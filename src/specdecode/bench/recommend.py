@@ -124,10 +124,12 @@ def _on_prefix(analysis: Analysis, runs: list[ConfigSummary]) -> list[ConfigSumm
 
 def vllm_speculative_config(spec: ConfigSpec, k: int) -> tuple[dict[str, Any] | None, str]:
     """vLLM's speculative_config for a configuration, and a note (why None, or caveats)."""
+    from specdecode.drafters.hybrid import model_part
+
     opts = spec.options
-    if spec.drafter.startswith("ngram+"):  # lookup first, a model drafter otherwise
-        cfg_m, note_m = vllm_speculative_config(
-            replace(spec, drafter=spec.drafter.removeprefix("ngram+")), k)
+    part = model_part(spec.drafter)
+    if part is not None:  # lookup first, a model drafter otherwise
+        cfg_m, note_m = vllm_speculative_config(replace(spec, drafter=part), k)
         note = (f"vLLM runs one drafting method per deployment: this is {spec.drafter}'s model "
                 "part alone, without the n-gram lookup it tries first, so re-measure it")
         if cfg_m is None:

@@ -69,12 +69,12 @@ def wants_hidden(drafter: object) -> bool:
 class KVTaker(Protocol):
     """Optional: a drafter whose model has the target's cache layout (a quantized copy of the
     target) and holds the target's keys and values of the committed context instead of computing
-    its own. The engine calls `take_kv(tokens, start, k, v)` once the prompt is prefilled
-    (start 0) and after every step, with k and v (layers, kv_heads, n, head_dim) for the
-    committed positions start..len(tokens)-1 it has not lent before; `tokens` is the context up
-    to them. The drafter then computes only its draft positions (and the pending token)."""
+    its own. The engine calls `take_kv(start, tokens, k, v)` once the prompt is prefilled
+    (start 0) and after every step, with the n committed `tokens` at positions start.. that it
+    has not lent before and their k and v (layers, kv_heads, n, head_dim). The drafter then
+    computes only its draft positions (and the pending token)."""
 
-    def take_kv(self, tokens: list[int], start: int, k: torch.Tensor, v: torch.Tensor
+    def take_kv(self, start: int, tokens: list[int], k: torch.Tensor, v: torch.Tensor
                 ) -> None: ...
 
 

@@ -49,9 +49,10 @@ class DraftModelDrafter:
         self.cache: Any = None
         self.fed: list[int] = []  # tokens whose KV the draft cache holds, in order
         self.catch_up_ns = 0  # time the last propose spent catching up (see _sync)
+        self.held = 0  # leading cache positions that hold the target's KV (take_kv)
 
     def reset(self) -> None:
-        self.cache, self.fed = None, []
+        self.cache, self.fed, self.held = None, [], 0
 
     def copy_state_from(self, other: DraftModelDrafter) -> None:
         """Start from another drafter's cache of the same model (e.g. a prefilled prompt)."""
@@ -60,25 +61,27 @@ class DraftModelDrafter:
         n = len(other.fed)
         self.cache = self.model.new_cache(1, other.cache.capacity)
         self._write_prefix(other.cache.k[:, 0, :, :n], other.cache.v[:, 0, :, :n])
-        self.fed = list(other.fed)
+        self.fed, self.held = list(other.fed), other.held
 
-    def take_kv(self, tokens: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Hold the target's keys and values (layers, kv_heads, n, head_dim) of the committed
-        positions start..len(tokens)-1 of `tokens` (with borrow_kv, and only where the layouts
-        match, and the cache's first `start` positions hold the same tokens)."""
+    def take_kv(self, start: int, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold the target's keys and values (layers, kv_heads, n, head_dim) of the n committed
+        `tokens` at positions start.. (with borrow_kv, where the layouts match, and where the
+        lends are contiguous: positions before `start` are the target's from earlier lends)."""
         if not self.borrow_kv or not tokens:
             return
         if start == 0:
             self.reset()
-        elif self.fed[:start] != tokens[:start]:
-            return  # not the context lent before: the draft catches up by itself
-        self._reserve(len(tokens) + 1)
+        elif start != self.held:
+            return  # not continuing the last lend: the draft catches up by itself
+        self._reserve(start + len(tokens) + 1)
         own = getattr(self.cache, "k", None)
         if own is None or own.dtype != k.dtype or (own.shape[0], own.shape[2], own.shape[4]) != (
                 k.shape[0], k.shape[1], k.shape[3]):
             return  # another layout: the draft computes its own
         self._write_prefix(k, v, start)
-        self.fed = list(tokens)
+        del self.fed[start:]
+        self.fed.extend(tokens)
+        self.held = len(self.fed)
 
     def _write_prefix(self, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
         """Hold keys and values (layers, kv_heads, n, head_dim) as the cache's slots
@@ -98,7 +101,7 @@ class DraftModelDrafter:
             n = old.lengths[0]
             self._write_prefix(old.k[:, 0, :, :n], old.v[:, 0, :, :n])
         elif old is not None:  # a cache without tensors to copy: start again
-            self.fed = []
+            self.fed, self.held = [], 0
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Roll back to the common prefix with `context`, feed the rest; logits of the last one.
@@ -115,6 +118,7 @@ class DraftModelDrafter:
             n += 1
         self.cache.rollback(0, n)
         self.fed = context[:n]
+        self.held = min(self.held, n)
         logits = self._feed(context[n:])
         self.catch_up_ns = time.perf_counter_ns() - start if len(context) - n > 2 else 0
         return logits

@@ -35,6 +35,12 @@ from specdecode.drafters.base import Draft, Drafter, takes_kv
 from specdecode.sampling import SamplingParams
 
 MIN_EXPECTED = 0.6
+PREFIX = "ngram+"  # a hybrid's name: this, then its model drafter's
+
+
+def model_part(name: str) -> str | None:
+    """The model drafter of a hybrid's name ("ngram+w4a16" -> "w4a16"); None for another name."""
+    return name.removeprefix(PREFIX) if name.startswith(PREFIX) else None
 
 
 class HybridDrafter:
@@ -58,9 +64,9 @@ class HybridDrafter:
         self.lookup.reset()
         self.model.reset()
 
-    def take_kv(self, tokens: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def take_kv(self, start: int, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         if takes_kv(self.model):
-            self.model.take_kv(tokens, start, k, v)  # type: ignore[attr-defined]
+            self.model.take_kv(start, tokens, k, v)  # type: ignore[attr-defined]
 
     def propose(
         self,

@@ -11,11 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.hybrid import PREFIX, model_part
 from specdecode.errors import SpecDecodeError
 
 DRAFTERS = ("none", "draft-model", "int8", "w4a16", "ngram", "layerskip", "heads", "distilled",
-            "xtok", "ngram+w4a16", "ngram+int8", "ngram+distilled", "ngram+draft-model",
-            "ngram+layerskip")
+            "xtok", *(PREFIX + m for m in ("w4a16", "int8", "distilled", "draft-model",
+                                           "layerskip")))
 
 DrafterFactory = Callable[[], Drafter]
 
@@ -83,12 +84,13 @@ def drafter_factory(
     from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
     from specdecode.models.precision import apply_precision, quantize_int8
 
-    if name.startswith("ngram+") and name in DRAFTERS:  # lookup first, then a model drafter
+    part = model_part(name)
+    if part is not None and name in DRAFTERS:  # lookup first, then a model drafter
         from specdecode.drafters.hybrid import HybridDrafter
 
         lookup = drafter_factory("ngram", target, ngram_max=ngram_max, ngram_min=ngram_min)
-        model = drafter_factory(name.removeprefix("ngram+"), target, draft_model, capacity,
-                                layers=layers, tokenizer=tokenizer, distilled=distilled)
+        model = drafter_factory(part, target, draft_model, capacity, layers=layers,
+                                tokenizer=tokenizer, distilled=distilled)
         if lookup is None or model is None:
             raise SpecDecodeError(f"--drafter {name} needs a drafter after 'ngram+'")
         make_lookup, make_model = lookup, model
