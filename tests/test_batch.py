@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 from typing import Any
 
 import pytest
 import torch
 
-from specdecode.control import AlphaEstimate, Controller, CostModel, expected_tokens
+from specdecode.control import AlphaEstimate, Controller, CostModel, PayGuard, expected_tokens
 from specdecode.drafters.base import Draft
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.faults import FaultyDrafter
@@ -291,3 +292,84 @@ def test_a_step_cost_cap_bounds_every_steps_width() -> None:
     drafts = [Draft(torch.arange(6), None, (0.99,) * 6) for _ in range(8)]
     assert {len(d.tokens) for d in fit_width(drafts, costs)} == {6}
     assert {len(d.tokens) for d in fit_width(drafts, costs, capped.max_width(8))} == {2}
+
+
+def test_the_guard_holds_off_speculation_that_does_not_pay_and_tries_again() -> None:
+    """PayGuard: speculative steps realizing 30 tokens/s against plain's 40 are held off after
+    min_steps, tried again after the hold, and each failed trial doubles the hold; a batch
+    size where speculation pays is never held off."""
+    guard, costs = PayGuard(), CostModel()
+    step = 0
+    for _ in range(guard.min_plain):
+        guard.observe(4, False, 4, 0.1, step, costs)  # plain: 40 tokens/s
+        step += 1
+    spec_steps, holds = [], []
+    for _ in range(200):
+        if guard.allows(4, step):
+            guard.observe(4, True, 6, 0.2, step, costs)  # speculative: 30 tokens/s
+            spec_steps.append(step)
+        else:
+            guard.observe(4, False, 4, 0.1, step, costs)
+            holds.append(step)
+        step += 1
+    assert guard.holds >= 3
+    assert spec_steps[: guard.min_steps] == list(range(3, 3 + guard.min_steps))
+    # held 16 steps, then 8 more tried, then held 32, then 64 ...
+    first_hold = [s for s in holds if s < spec_steps[guard.min_steps]]
+    assert len(first_hold) == guard.base_backoff
+    gaps = [b - a for a, b in pairwise(spec_steps) if b - a > 1]
+    assert gaps[:3] == [17, 33, 65]
+    assert len(spec_steps) < 60  # of 200
+    paying = PayGuard()
+    for s in range(3):
+        paying.observe(4, False, 4, 0.1, s, costs)
+    spec = 0
+    for s in range(3, 203):
+        if paying.allows(4, s):
+            paying.observe(4, True, 8, 0.1, s, costs)  # 80 tokens/s
+            spec += 1
+        else:  # the refresh: one plain step in refresh_every
+            paying.observe(4, False, 4, 0.1, s, costs)
+    assert paying.holds == 0 and spec >= 200 * paying.refresh_every / (paying.refresh_every + 1) - 1
+
+
+class Overconfident:
+    """Always wrong, sure it is right (confidence 0.99 per token), and slow (5 ms a draft):
+    the cost model believes every step of it pays."""
+
+    name = "overconfident"
+    fits_width = True
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
+                generator: torch.Generator | None) -> Draft:
+        time.sleep(0.005)
+        return Draft(torch.full((k,), 7), None, (0.99,) * k)
+
+
+def test_the_guard_turns_off_speculation_the_cost_model_wrongly_favours(smollm: LoadedModel
+                                                                       ) -> None:
+    """A drafter whose confidences are wrong makes every step's fitted width look worth it;
+    realized, its steps commit one token per row at a wider, slower step than plain. With the
+    guard most steps are plain; without it every step speculates. Output unchanged."""
+    tok = smollm.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+           for p in PROMPTS[:2]]
+    params = SamplingParams(max_tokens=64)
+    costs = CostModel(target_s={(2, w): 0.01 for w in range(1, 10)}, draft_token_s=0.0)
+    spec_steps = {}
+    for guarded in (True, False):
+        ctl = Controller(kmax=4, costs=CostModel(dict(costs.target_s), 0.0))
+        ctl.guard = ctl.guard if guarded else None
+        engine = BatchEngine(smollm.model, 2, 160, controller=ctl)
+        gens = [Generation(smollm.model, None, x, params, Overconfident(), 4, tok.eos_ids)
+                for x in ids]
+        run_batch(engine, gens)
+        steps = sum(g.counters.steps for g in gens)
+        spec_steps[guarded] = sum(g.counters.drafted_per_pos[0] for g in gens) / steps
+        for gen, x in zip(gens, ids, strict=True):
+            assert gen.output == _solo(smollm, x, params)
+    assert spec_steps[False] > 0.9  # all but the last step, which has no room to draft
+    assert spec_steps[True] < 0.5

@@ -151,6 +151,82 @@ class AlphaEstimate:
 
 
 @dataclass
+class PayGuard:
+    """Whether the steps that speculated actually paid, measured, per batch size.
+
+    The controller's choices come from a model (alpha estimates or drafters' confidences, the
+    t(B, T) table, the drafting cost); where the model is wrong (acceptance overrated, per-row
+    work it does not see, a busy machine), speculation can lose while its predictions say it
+    wins. The guard checks the outcome instead: per batch size, the realized tokens per second
+    of speculative steps (committed tokens over the step's wall time, drafting included) against
+    that of plain steps (width 1) of the same batch size, each a decayed ratio of sums. Once
+    `min_steps` speculative steps are in and their rate is below plain's, speculation is held
+    off at that batch size for `backoff` steps (plain steps, which refresh plain's rate), then
+    tried again on a fresh window; each failed trial doubles the hold (up to `max_backoff`),
+    a trial that pays resets it. Plain's rate comes from measured plain steps (where fewer than
+    `min_plain` are in, from the t(B, 1) table), and while speculation runs without a break
+    one step in `refresh_every` is plain, so the comparison is with plain decoding at today's
+    context lengths and load, not the calibration's.
+
+    Selection does not bias it: a plain step's rate does not depend on the drafts it skipped,
+    so the question asked is exactly "did the steps we chose to speculate on beat a plain step".
+    """
+
+    min_steps: int = 8
+    min_plain: int = 3
+    decay: float = 0.9
+    base_backoff: int = 16
+    max_backoff: int = 512
+    refresh_every: int = 32
+    # per batch size: decayed [tokens, seconds, steps] of speculative / plain steps
+    spec: dict[int, list[float]] = field(default_factory=dict)
+    plain: dict[int, list[float]] = field(default_factory=dict)
+    hold_until: dict[int, int] = field(default_factory=dict)
+    backoff: dict[int, int] = field(default_factory=dict)
+    since_plain: dict[int, int] = field(default_factory=dict)
+    holds: int = 0  # times speculation was held off (a counter for reports and tests)
+
+    def allows(self, batch: int, step: int) -> bool:
+        """May this step (the controller's step number) speculate at this batch size?"""
+        if step < self.hold_until.get(batch, 0):
+            return False
+        return self.since_plain.get(batch, 0) < self.refresh_every
+
+    def rate(self, batch: int, costs: CostModel, speculative: bool) -> float | None:
+        sums = (self.spec if speculative else self.plain).get(batch)
+        if speculative:
+            return None if sums is None or sums[2] < self.min_steps else sums[0] / sums[1]
+        if sums is not None and sums[2] >= self.min_plain:
+            return sums[0] / sums[1]
+        return batch / costs.target(batch, 1) if costs.target_s else None
+
+    def observe(self, batch: int, speculative: bool, tokens: int, seconds: float, step: int,
+                costs: CostModel) -> None:
+        """One step's outcome: committed tokens over its wall time (drafting included)."""
+        if seconds <= 0 or batch <= 0:
+            return
+        table = self.spec if speculative else self.plain
+        sums = table.setdefault(batch, [0.0, 0.0, 0.0])
+        sums[0] = self.decay * sums[0] + tokens
+        sums[1] = self.decay * sums[1] + seconds
+        sums[2] += 1  # steps seen (not decayed)
+        self.since_plain[batch] = self.since_plain.get(batch, 0) + 1 if speculative else 0
+        if not speculative:
+            return
+        spec, plain = self.rate(batch, costs, True), self.rate(batch, costs, False)
+        if spec is None or plain is None:
+            return
+        if spec < plain:  # it did not pay: plain for a while, then a fresh trial
+            hold = self.backoff.get(batch, self.base_backoff)
+            self.hold_until[batch] = step + 1 + hold  # the next `hold` steps are plain
+            self.backoff[batch] = min(2 * hold, self.max_backoff)
+            self.spec.pop(batch)
+            self.holds += 1
+        else:
+            self.backoff[batch] = self.base_backoff
+
+
+@dataclass
 class Controller:
     kmax: int
     costs: CostModel = field(default_factory=CostModel)
@@ -168,6 +244,21 @@ class Controller:
     # (None: no cap). A step's time is every request's inter-token latency that step, so the
     # cap bounds the ITL tail that wide steps make, at the price of the throughput they bring.
     max_step_cost: float | None = None
+    # Realized goodput of speculative against plain steps, per batch size (None: no check)
+    guard: PayGuard | None = field(default_factory=PayGuard)
+
+    def allows(self, batch: int) -> bool:
+        """May the next step of `batch` rows speculate? False while the guard holds it off, or
+        when the guard wants a plain step to refresh plain decoding's measured rate."""
+        return self.guard is None or self.guard.allows(batch, self.steps)
+
+    def observe_step(self, batch: int, width: int, tokens: int, seconds: float) -> None:
+        """A finished step: `tokens` committed over `batch` rows at verification width `width`
+        in `seconds` of wall time, drafting included. Probes are the controller's exploration,
+        not its choice to speculate: they are left out of the guard's speculative rate."""
+        if self.guard is None or (width > 1 and self._probed):
+            return
+        self.guard.observe(batch, width > 1, tokens, seconds, self.steps, self.costs)
 
     def max_width(self, batch: int) -> int:
         """The widest verification width T (1 + draft tokens) a step of `batch` rows may take:
@@ -203,6 +294,9 @@ class Controller:
         self.steps += 1
         draft_s = self.costs.draft_token_s
         if batch == 0 or self.kmax == 0:
+            return [0] * batch
+        if not self.allows(batch):  # the guard holds speculation off, or wants a plain step
+            self._probed = False
             return [0] * batch
         if draft_s is None:  # nothing measured yet: draft once to learn the drafting cost
             return [1] * batch

@@ -111,6 +111,7 @@ class Generation:
         self._prefilled = 0  # prompt tokens (all but the last) already in the cache
         self.wants_hidden = wants_hidden(drafter)  # the drafter observes the target's features
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
+        self.last_committed = 0  # tokens the last step committed (EOS included)
         self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
         self._lent = 0  # committed positions whose target KV the drafter holds (take_kv)
 
@@ -216,6 +217,7 @@ class Generation:
         out = self._emit(result.tokens.tolist())
         self._lend_kv()  # the committed positions' KV, to a drafter that holds the target's
         c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
+        self.last_committed = result.num_accepted + 1
         c.record_alpha(alphas)
         self.last_alphas = alphas
         c.verify_ns += t3 - t2
@@ -330,6 +332,7 @@ class BatchEngine:
         self._admit()
         if not self.active:
             return []
+        began = time.perf_counter_ns()
         ks = self._choose_k()
         drafts = self._propose(ks)
         start = time.perf_counter_ns()
@@ -346,8 +349,13 @@ class BatchEngine:
             outputs.append((gen, out))
         if self.controller is not None:  # what a step of this width costs: the forward pass
             # and every row's verification and commit (per-row work grows with the width)
+            end = time.perf_counter_ns()
             self.controller.costs.observe_target(len(drafts), logits.shape[1],
-                                                 (time.perf_counter_ns() - start) / 1e9)
+                                                 (end - start) / 1e9)
+            catch_up = sum(g.catch_up_ns for g, _ in outputs)  # one-off, as in observe_draft
+            self.controller.observe_step(len(drafts), logits.shape[1],
+                                         sum(g.last_committed for g, _ in outputs),
+                                         (end - began - catch_up) / 1e9)
         for gen, out in outputs:
             if out.finish_reason is not None:
                 self._leave(gen)
@@ -405,6 +413,8 @@ class BatchEngine:
         if self.controller is None:
             return [g.k for g in self.active]
         ks = self.controller.choose([self.alphas[id(g)] for g in self.active])
+        if not self.controller.allows(len(self.active)):  # held off: no drafter drafts
+            return [0] * len(ks)
         return [g.k if fits_width(g.drafter) else min(k, g.k)
                 for k, g in zip(ks, self.active, strict=True)]
 
