@@ -15,14 +15,17 @@ that penalises speculation and that a loaded server does not have). Prompts are 
 the clock starts, the same for every configuration. auto's controller starts cold in each batch
 size's first round (its t(B, T) table calibrated at the prompts' mean length, alpha at the
 prior) and keeps what it learned into the later rounds, as a server's controller does.
-Printed per cell: throughput (emitted tokens/s of the whole batch), its ratio to plain, ITL
-p50 / p99 (ms per token; a step that emits m tokens counts its time once and m-1 zeros, as the
-report does), accepted/drafted, and memory (target weights, draft weights, target KV, draft KV,
-peak RSS). Then, per workload, the batch size from
-which the best fixed k no longer beats plain.
+`auto-noguard` is auto without the controller's check of its own outcome (control.PayGuard),
+to see what the check changes. Printed per cell: throughput (emitted tokens/s of the whole
+batch), its ratio to plain, ITL p50 / p99 (ms per token; a step that emits m tokens counts its
+time once and m-1 zeros, as the report does), accepted/drafted, and memory (target weights,
+draft weights, target KV, draft KV, peak RSS) and, for auto, how many times its guard held
+speculation off (control.PayGuard; over the cell's rounds). Then, per workload, the batch size
+from which the best fixed k no longer beats plain.
 
     python benchmarks/batch_sweep.py [--batches 1,2,4,8,16,32] [--max-tokens 48] [--out F.json]
-        [--configs plain,k=1,k=2,k=4,auto,auto-cap] [--cap 1.5] [--workloads summarization,writing]
+        [--configs plain,k=1,k=2,k=4,auto,auto-cap,auto-noguard] [--cap 1.5]
+        [--workloads summarization,writing]
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from specdecode.sampling import SamplingParams
 
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"
 CONFIGS: list[tuple[str, int | str]] = [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=4", 4),
-                                        ("auto", "auto"), ("auto-cap", "auto")]
+                                        ("auto", "auto"), ("auto-cap", "auto"),
+                                        ("auto-noguard", "auto")]
 KMAX = 6
 
 
@@ -133,6 +137,8 @@ def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens:
     costs = calibrated_costs(loaded.model, [batch], KMAX, context=context, repeats=2)
     controllers = {label: Controller(kmax=KMAX, costs=copy.deepcopy(costs), max_step_cost=(
         cap if label == "auto-cap" else None)) for label, k in configs if k == "auto"}
+    if "auto-noguard" in controllers:  # the controller's model alone, without PayGuard
+        controllers["auto-noguard"].guard = None
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
     # one drafter factory per configuration, kept over its rounds (its drafters share what
     # they learn of acceptance by match length, as a server's do)
@@ -158,6 +164,8 @@ def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens:
             "ratio_min": min(ratios), "ratio_max": max(ratios),
             "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
             "accepted_per_drafted": statistics.mean(acc) if acc else None,
+            "guard_holds": guard.holds if (guard := getattr(controllers.get(label), "guard",
+                                                            None)) else None,
             **{key: rs[-1][key] for key in ("target_kv_bytes", "draft_kv_bytes",
                                             "draft_weight_bytes", "peak_rss_bytes")}})
     return cells
@@ -176,8 +184,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default=",".join(label for label, _ in CONFIGS),
-                    help="a subset of plain,k=1,k=2,k=4,auto,auto-cap (plain is always run: the "
-                    "ratios)")
+                    help="a subset of plain,k=1,k=2,k=4,auto,auto-cap,auto-noguard (plain is "
+                    "always run: the ratios)")
     ap.add_argument("--workloads", default="summarization,writing")
     ap.add_argument("--cap", type=float, default=1.5,
                     help="auto-cap: auto with no step costing more than this many plain steps")
@@ -207,7 +215,7 @@ def main() -> None:
         print(f"\n## {name}")
         print(f"{'batch':>5} {'config':>6} {'tok/s':>8} {'x plain (min-max)':>18} "
               f"{'whole run':>9} {'ITL p50':>8} {'ITL p99':>8} {'acc/dr':>6} {'target KV':>9} "
-              f"{'peak RSS':>8}")
+              f"{'peak RSS':>8} {'holds':>5}")
         for batch in batches:
             texts = prompts(category, max(args.requests_per_slot * batch, args.min_requests),
                             cut)
@@ -222,7 +230,9 @@ def main() -> None:
                       f"{cell['itl_p99_ms']:8.1f} "
                       f"{'-' if acc is None else f'{acc:.2f}':>6} "
                       f"{cell['target_kv_bytes'] / 2**20:8.1f}M "
-                      f"{cell['peak_rss_bytes'] / 2**30:7.2f}G", flush=True)
+                      f"{cell['peak_rss_bytes'] / 2**30:7.2f}G "
+                      f"{'-' if cell['guard_holds'] is None else cell['guard_holds']:>5}",
+                      flush=True)
         summarize(name, [r for r in results if r["workload"] == name], batches)
     if args.out:
         Path(args.out).write_text(json.dumps({"hardware": hw, "results": results}, indent=2))

@@ -373,3 +373,55 @@ def test_the_guard_turns_off_speculation_the_cost_model_wrongly_favours(smollm: 
             assert gen.output == _solo(smollm, x, params)
     assert spec_steps[False] > 0.9  # all but the last step, which has no room to draft
     assert spec_steps[True] < 0.5
+
+
+class _Lookup:
+    """Free, confident drafts on every other step (a prompt lookup that matches half the time)."""
+
+    name = "lookup"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
+                generator: torch.Generator | None) -> Draft:
+        self.calls += 1
+        if self.calls % 2:
+            return Draft(torch.full((k,), 7), None, (0.99,) * k)
+        return Draft(torch.zeros(0, dtype=torch.long), None, ())
+
+
+class _SlowModel:
+    """A model drafter costing 20 ms per draft token."""
+
+    name = "slow"
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
+                generator: torch.Generator | None) -> Draft:
+        time.sleep(0.02 * k)
+        return Draft(torch.full((k,), 7), None)
+
+
+def test_a_hybrids_free_lookup_drafts_do_not_dilute_the_model_drafters_cost(
+        smollm: LoadedModel) -> None:
+    """Under --k auto the controller's cost per draft token is the model drafter's (20 ms here),
+    not averaged with the lookup's free tokens (which would halve it)."""
+    from specdecode.drafters.hybrid import HybridDrafter
+
+    tok = smollm.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}]))
+    costs = CostModel(target_s={(1, w): 1.0 for w in range(1, 10)}, draft_token_s=0.02)
+    ctl = Controller(kmax=2, costs=costs, probe_every=1)
+    ctl.guard = None
+    engine = BatchEngine(smollm.model, 1, 128, controller=ctl)
+    gen = Generation(smollm.model, None, ids, SamplingParams(max_tokens=16),
+                     HybridDrafter(_Lookup(), _SlowModel(), "ngram+slow"), 2, tok.eos_ids)
+    run_batch(engine, [gen])
+    assert gen.drafter.used[0] > 0 and gen.drafter.used[1] > 0  # type: ignore[union-attr]
+    assert ctl.costs.draft_token_s is not None and ctl.costs.draft_token_s > 0.017

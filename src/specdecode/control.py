@@ -27,6 +27,11 @@ while even a draft accepted with probability `PROBE_ALPHA` could not pay at this
 The drafting cost counts draft steps only: a draft model's catching up with the context (its
 prompt, or the tokens committed while it was off) is a one-off cost of turning speculation on,
 not a cost per token, and is left out of `draft_token_s`.
+
+All of that is a model, and a model can be wrong (acceptance overrated, per-row work it does not
+see, a machine busier than when it was calibrated). `PayGuard` checks the outcome: per batch
+size, the realized tokens per second of the steps that speculated against those of plain steps,
+and it holds speculation off (with back-off, then a fresh trial) where they do not pay.
 """
 
 from __future__ import annotations

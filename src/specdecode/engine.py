@@ -429,7 +429,9 @@ class BatchEngine:
         if self.controller is not None:  # --k auto: verify what pays; a fixed k is kept
             drafts = fit_width(drafts, self.controller.costs,
                                self.controller.max_width(len(drafts)))
-        drafted = sum(len(d.tokens) for d in drafts)
+        # the cost per draft token is a model drafter's: drafts with confidences (prompt
+        # lookup, alone or in a hybrid) cost next to nothing and would make it look cheaper
+        drafted = sum(len(d.tokens) for d in drafts if d.confidence is None)
         if self.controller is not None and drafted:
             catch_up = sum(g.catch_up_ns for g in self.active)
             self.controller.costs.observe_draft(
