@@ -15,16 +15,18 @@ that penalises speculation and that a loaded server does not have). Prompts are 
 the clock starts, the same for every configuration. auto's controller starts cold in each batch
 size's first round (its t(B, T) table calibrated at the prompts' mean length, alpha at the
 prior) and keeps what it learned into the later rounds, as a server's controller does.
-`auto-noguard` is auto without the controller's check of its own outcome (control.PayGuard),
-to see what the check changes. Printed per cell: throughput (emitted tokens/s of the whole
-batch), its ratio to plain, ITL p50 / p99 (ms per token; a step that emits m tokens counts its
-time once and m-1 zeros, as the report does), accepted/drafted, and memory (target weights,
-draft weights, target KV, draft KV, peak RSS) and, for auto, how many times its guard held
-speculation off (control.PayGuard; over the cell's rounds). Then, per workload, the batch size
-from which the best fixed k no longer beats plain.
+`plain-aa` runs plain decoding a second time in the rotation: its ratio to plain is the noise
+floor of the cell (an A/A test). `auto-noguard` is auto without the controller's check of its
+own outcome (control.PayGuard), to see what the check changes. Printed per cell: throughput
+(emitted tokens/s of the whole batch), its ratio to plain, ITL p50 / p99 (ms per token; a step
+that emits m tokens counts its time once and m-1 zeros, as the report does), accepted/drafted,
+and memory (target weights, draft weights, target KV, draft KV, peak RSS) and, for auto, how
+many times its guard held speculation off (control.PayGuard; over the cell's rounds). Then, per
+workload, the batch size from which the best fixed k no longer beats plain.
 
     python benchmarks/batch_sweep.py [--batches 1,2,4,8,16,32] [--max-tokens 48] [--out F.json]
-        [--configs plain,k=1,k=2,k=4,auto,auto-cap,auto-noguard] [--cap 1.5]
+        [--configs plain,k=1,k=2,k=4,auto,auto-cap,auto-noguard,plain-aa]
+        [--cap 1.5]
         [--workloads summarization,writing]
 """
 
@@ -53,7 +55,7 @@ from specdecode.sampling import SamplingParams
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"
 CONFIGS: list[tuple[str, int | str]] = [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=4", 4),
                                         ("auto", "auto"), ("auto-cap", "auto"),
-                                        ("auto-noguard", "auto")]
+                                        ("auto-noguard", "auto"), ("plain-aa", 0)]
 KMAX = 6
 
 
@@ -184,8 +186,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default=",".join(label for label, _ in CONFIGS),
-                    help="a subset of plain,k=1,k=2,k=4,auto,auto-cap,auto-noguard (plain is "
-                    "always run: the ratios)")
+                    help="a subset of plain,k=1,k=2,k=4,auto,auto-cap,auto-noguard,plain-aa "
+                    "(plain is always run: the ratios)")
     ap.add_argument("--workloads", default="summarization,writing")
     ap.add_argument("--cap", type=float, default=1.5,
                     help="auto-cap: auto with no step costing more than this many plain steps")
@@ -213,7 +215,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for name, category, temperature, cut in workloads:
         print(f"\n## {name}")
-        print(f"{'batch':>5} {'config':>6} {'tok/s':>8} {'x plain (min-max)':>18} "
+        print(f"{'batch':>5} {'config':>12} {'tok/s':>8} {'x plain (min-max)':>18} "
               f"{'whole run':>9} {'ITL p50':>8} {'ITL p99':>8} {'acc/dr':>6} {'target KV':>9} "
               f"{'peak RSS':>8} {'holds':>5}")
         for batch in batches:
@@ -225,7 +227,7 @@ def main() -> None:
                 results.append(cell)
                 acc = cell["accepted_per_drafted"]
                 spread = f"{cell['ratio']:.2f} ({cell['ratio_min']:.2f}-{cell['ratio_max']:.2f})"
-                print(f"{batch:5d} {cell['config']:>6} {cell['throughput']:8.1f} {spread:>18} "
+                print(f"{batch:5d} {cell['config']:>12} {cell['throughput']:8.1f} {spread:>18} "
                       f"{cell['whole_run_ratio']:9.2f} {cell['itl_p50_ms']:8.1f} "
                       f"{cell['itl_p99_ms']:8.1f} "
                       f"{'-' if acc is None else f'{acc:.2f}':>6} "
@@ -253,10 +255,13 @@ def summarize(name: str, cells: list[dict[str, Any]], batches: list[int]) -> Non
         auto = next((r for r in at(b) if r["config"] == "auto"), None)
         if auto is None:
             continue
-        best = max((r for r in at(b) if not r["config"].startswith("auto")),
+        best = max((r for r in at(b) if not r["config"].startswith(("auto", "plain-aa"))),
                    key=lambda r: r["ratio"])
+        aa = next((r for r in at(b) if r["config"] == "plain-aa"), None)
+        noise = "" if aa is None else (f"; plain against itself {aa['ratio']:.2f}x "
+                                       f"({aa['ratio_min']:.2f}-{aa['ratio_max']:.2f})")
         print(f"  batch {b:2d}: auto {auto['ratio']:.2f}x plain; best fixed {best['config']} "
-              f"{best['ratio']:.2f}x; auto / best {auto['ratio'] / best['ratio']:.2f}")
+              f"{best['ratio']:.2f}x; auto / best {auto['ratio'] / best['ratio']:.2f}{noise}")
 
 
 if __name__ == "__main__":
