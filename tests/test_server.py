@@ -234,6 +234,19 @@ def test_disconnect_mid_stream_frees_the_row(tiny: LoadedModel,
         assert wait_for(lambda: state.inflight == 0, 3)
 
 
+def test_metrics_expose_the_controllers_guard(tiny: LoadedModel) -> None:
+    """Under --k auto, /metrics reads the guard's count of holds at each scrape; with a fixed k
+    (no controller) the series is absent."""
+    with serving(tiny, max_batch=2) as (srv, state):
+        controller = state.worker.engine.controller
+        assert controller is not None and controller.guard is not None
+        assert "spec_decode_guard_holds{" in httpx.get(f"{srv.url}/metrics").text
+        controller.guard.holds = 3
+        assert metric(srv, "spec_decode_guard_holds") == 3
+    with serving(tiny, auto=False) as (srv, _):
+        assert "spec_decode_guard_holds" not in httpx.get(f"{srv.url}/metrics").text
+
+
 def test_client_gone_before_a_whole_reply_cancels(tiny: LoadedModel,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     with serving(tiny, max_batch=2) as (srv, state):

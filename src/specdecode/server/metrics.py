@@ -16,6 +16,8 @@ Names follow vLLM's (without its "vllm:" prefix), so one scraper or report reads
 - memory_bytes{component}: target_weights, draft_weights (only what the drafter does not
   share with the target), target_kv (the shared batch cache, allocated at start), and
   peak_rss (this process, read at each scrape): gauges;
+- spec_decode_guard_holds (under --k auto): times the controller's guard held speculation off
+  because its speculative steps realized fewer tokens/s than plain steps (control.PayGuard);
 - prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
   (stop, length, abort) counters.
 
@@ -24,6 +26,8 @@ thread updates the speculation counters and gauges, the event loop the per-reque
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -89,6 +93,12 @@ class ServerMetrics:
         self._memory = Gauge("memory_bytes", "Memory by component (bytes).",
                              [*m, "component"], registry=r)
         self._memory.labels(model_name, "peak_rss").set_function(_peak_rss_bytes)
+
+    def watch_guard(self, holds: Callable[[], float]) -> None:
+        """Expose the controller's guard: `holds()` is read at each scrape."""
+        Gauge("spec_decode_guard_holds", "Times speculation was held off because it did not "
+              "pay (control.PayGuard).", ["model_name"], registry=self.registry
+              ).labels(self.model_name).set_function(holds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -104,6 +104,9 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
         make_drafter=factory, k=k, window=window, created=int(time.time()),
     )
     metrics = ServerMetrics(name)
+    if controller is not None and controller.guard is not None:
+        guard = controller.guard
+        metrics.watch_guard(lambda: float(guard.holds))
     metrics.set_memory(weight_bytes(model), _draft_weight_bytes(factory, model),
                        engine.cache.nbytes())
     return ServerState(served, EngineWorker(engine, metrics), metrics,
