@@ -357,20 +357,24 @@ def test_the_guard_turns_off_speculation_the_cost_model_wrongly_favours(smollm: 
     tok = smollm.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
            for p in PROMPTS[:2]]
-    params = SamplingParams(max_tokens=64)
+    params = SamplingParams(max_tokens=80)  # no EOS: both rows run 80 steps at batch 2
     costs = CostModel(target_s={(2, w): 0.01 for w in range(1, 10)}, draft_token_s=0.0)
-    spec_steps = {}
+    spec_steps, outputs = {}, {}
     for guarded in (True, False):
         ctl = Controller(kmax=4, costs=CostModel(dict(costs.target_s), 0.0))
         ctl.guard = ctl.guard if guarded else None
-        engine = BatchEngine(smollm.model, 2, 160, controller=ctl)
-        gens = [Generation(smollm.model, None, x, params, Overconfident(), 4, tok.eos_ids)
-                for x in ids]
+        engine = BatchEngine(smollm.model, 2, 200, controller=ctl)
+        gens = [Generation(smollm.model, None, x, params, Overconfident(), 4) for x in ids]
         run_batch(engine, gens)
         steps = sum(g.counters.steps for g in gens)
         spec_steps[guarded] = sum(g.counters.drafted_per_pos[0] for g in gens) / steps
-        for gen, x in zip(gens, ids, strict=True):
-            assert gen.output == _solo(smollm, x, params)
+        outputs[guarded] = [g.output for g in gens]
+    assert outputs[True] == outputs[False]
+    for out, x in zip(outputs[True], ids, strict=True):
+        solo = Generation(smollm.model, None, x, params)
+        for _ in solo.run():
+            pass
+        assert out == solo.output
     assert spec_steps[False] > 0.9  # all but the last step, which has no room to draft
     assert spec_steps[True] < 0.5
 
