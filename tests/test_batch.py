@@ -296,7 +296,7 @@ def test_a_step_cost_cap_bounds_every_steps_width() -> None:
 
 def test_the_guard_holds_off_speculation_that_does_not_pay_and_tries_again() -> None:
     """PayGuard: speculative steps realizing 30 tokens/s against plain's 40 are held off after
-    min_steps, tried again after the hold, and each failed trial doubles the hold; a batch
+    a window, tried again after the hold, and each failed window doubles the hold; a batch
     size where speculation pays is never held off."""
     guard, costs = PayGuard(), CostModel()
     step = 0
@@ -313,13 +313,13 @@ def test_the_guard_holds_off_speculation_that_does_not_pay_and_tries_again() -> 
             holds.append(step)
         step += 1
     assert guard.holds >= 3
-    assert spec_steps[: guard.min_steps] == list(range(3, 3 + guard.min_steps))
-    # held 16 steps, then 8 more tried, then held 32, then 64 ...
-    first_hold = [s for s in holds if s < spec_steps[guard.min_steps]]
+    assert spec_steps[: guard.window] == list(range(3, 3 + guard.window))
+    # held 16 steps, then a window of 16 tried, then held 32, then 64 ...
+    first_hold = [s for s in holds if s < spec_steps[guard.window]]
     assert len(first_hold) == guard.base_backoff
     gaps = [b - a for a, b in pairwise(spec_steps) if b - a > 1]
     assert gaps[:3] == [17, 33, 65]
-    assert len(spec_steps) < 60  # of 200
+    assert len(spec_steps) == 4 * guard.window  # of 200: 16, 16, 16, 16, then held 128
     paying = PayGuard()
     for s in range(3):
         paying.observe(4, False, 4, 0.1, s, costs)

@@ -164,26 +164,31 @@ class PayGuard:
     work it does not see, a busy machine), speculation can lose while its predictions say it
     wins. The guard checks the outcome instead: per batch size, the realized tokens per second
     of speculative steps (committed tokens over the step's wall time, drafting included) against
-    that of plain steps (width 1) of the same batch size, each a decayed ratio of sums. Once
-    `min_steps` speculative steps are in and their rate is below plain's, speculation is held
-    off at that batch size for `backoff` steps (plain steps, which refresh plain's rate), then
-    tried again on a fresh window; each failed trial doubles the hold (up to `max_backoff`),
-    a trial that pays resets it. Plain's rate comes from measured plain steps (where fewer than
+    that of plain steps (width 1) of the same batch size. Speculative steps are judged in
+    windows of `window` steps: at the end of each, if their rate (a ratio of sums over the
+    window) is below plain's, speculation is held off at that batch size for `backoff` steps
+    (plain steps, which refresh plain's rate), then tried on a fresh window; each failed window
+    doubles the hold (up to `max_backoff`), one that pays resets it. One verdict per window, not
+    one per step: a test repeated after every step would, on this noisy machine, sooner or
+    later find speculation "losing" by chance where it pays a few percent (a first version did:
+    4 holds in a batch-8 cell where speculation measured 1.07x without the guard).
+
+    Plain's rate is a decayed ratio of sums over measured plain steps (where fewer than
     `min_plain` are in, from the t(B, 1) table), and while speculation runs without a break
     one step in `refresh_every` is plain, so the comparison is with plain decoding at today's
-    context lengths and load, not the calibration's.
-
-    Selection does not bias it: a plain step's rate does not depend on the drafts it skipped,
-    so the question asked is exactly "did the steps we chose to speculate on beat a plain step".
+    context lengths and load, not the calibration's. Selection does not bias it: a plain step's
+    rate does not depend on the drafts it skipped, so the question asked is exactly "did the
+    steps we chose to speculate on beat a plain step".
     """
 
-    min_steps: int = 8
+    window: int = 16
     min_plain: int = 3
     decay: float = 0.9
     base_backoff: int = 16
     max_backoff: int = 512
     refresh_every: int = 32
-    # per batch size: decayed [tokens, seconds, steps] of speculative / plain steps
+    # per batch size: [tokens, seconds, steps] of the current speculative window, and decayed
+    # [tokens, seconds, steps] of plain steps
     spec: dict[int, list[float]] = field(default_factory=dict)
     plain: dict[int, list[float]] = field(default_factory=dict)
     hold_until: dict[int, int] = field(default_factory=dict)
@@ -197,10 +202,8 @@ class PayGuard:
             return False
         return self.since_plain.get(batch, 0) < self.refresh_every
 
-    def rate(self, batch: int, costs: CostModel, speculative: bool) -> float | None:
-        sums = (self.spec if speculative else self.plain).get(batch)
-        if speculative:
-            return None if sums is None or sums[2] < self.min_steps else sums[0] / sums[1]
+    def plain_rate(self, batch: int, costs: CostModel) -> float | None:
+        sums = self.plain.get(batch)
         if sums is not None and sums[2] >= self.min_plain:
             return sums[0] / sums[1]
         return batch / costs.target(batch, 1) if costs.target_s else None
@@ -210,22 +213,23 @@ class PayGuard:
         """One step's outcome: committed tokens over its wall time (drafting included)."""
         if seconds <= 0 or batch <= 0:
             return
-        table = self.spec if speculative else self.plain
-        sums = table.setdefault(batch, [0.0, 0.0, 0.0])
-        sums[0] = self.decay * sums[0] + tokens
-        sums[1] = self.decay * sums[1] + seconds
-        sums[2] += 1  # steps seen (not decayed)
         self.since_plain[batch] = self.since_plain.get(batch, 0) + 1 if speculative else 0
         if not speculative:
+            sums = self.plain.setdefault(batch, [0.0, 0.0, 0.0])
+            sums[0] = self.decay * sums[0] + tokens
+            sums[1] = self.decay * sums[1] + seconds
+            sums[2] += 1  # steps seen (not decayed)
             return
-        spec, plain = self.rate(batch, costs, True), self.rate(batch, costs, False)
-        if spec is None or plain is None:
+        window = self.spec.setdefault(batch, [0.0, 0.0, 0.0])
+        window[0], window[1], window[2] = window[0] + tokens, window[1] + seconds, window[2] + 1
+        plain = self.plain_rate(batch, costs)
+        if window[2] < self.window or plain is None:
             return
-        if spec < plain:  # it did not pay: plain for a while, then a fresh trial
+        del self.spec[batch]  # the verdict on this window; the next one starts empty
+        if window[0] / window[1] < plain:  # it did not pay: plain for a while, then a trial
             hold = self.backoff.get(batch, self.base_backoff)
             self.hold_until[batch] = step + 1 + hold  # the next `hold` steps are plain
             self.backoff[batch] = min(2 * hold, self.max_backoff)
-            self.spec.pop(batch)
             self.holds += 1
         else:
             self.backoff[batch] = self.base_backoff
