@@ -339,35 +339,50 @@ class Overconfident:
 
     name = "overconfident"
     fits_width = True
+    confidence = 0.99
+
+    def __init__(self) -> None:
+        self.calls = 0
 
     def reset(self) -> None:
         pass
 
     def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
                 generator: torch.Generator | None) -> Draft:
+        self.calls += 1
         time.sleep(0.005)
-        return Draft(torch.full((k,), 7), None, (0.99,) * k)
+        return Draft(torch.full((k,), 7), None, (self.confidence,) * k)
 
 
-def test_the_guard_turns_off_speculation_the_cost_model_wrongly_favours(smollm: LoadedModel
-                                                                       ) -> None:
-    """A drafter whose confidences are wrong makes every step's fitted width look worth it;
-    realized, its steps commit one token per row at a wider, slower step than plain. With the
-    guard most steps are plain; without it every step speculates. Output unchanged."""
+class Hopeless(Overconfident):
+    """Knows it is wrong (confidence 0): every draft is cut to nothing, every step verifies one
+    position, and each step still pays the 5 ms of proposing."""
+
+    confidence = 0.0
+
+
+@pytest.mark.parametrize("drafter", [Overconfident, Hopeless])
+def test_the_guard_turns_off_speculation_that_does_not_pay(smollm: LoadedModel,
+                                                           drafter: type) -> None:
+    """Overconfident: its confidences make every step's fitted width look worth it; realized,
+    its steps commit one token per row at a wider, slower step than plain. Hopeless: nothing is
+    ever verified, but proposing costs every step (as prompt lookups over many rows do). With
+    the guard the drafter is asked on fewer than half of the steps; without it, on every one.
+    Output unchanged."""
     tok = smollm.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
            for p in PROMPTS[:2]]
     params = SamplingParams(max_tokens=80)  # no EOS: both rows run 80 steps at batch 2
     costs = CostModel(target_s={(2, w): 0.01 for w in range(1, 10)}, draft_token_s=0.0)
-    spec_steps, outputs = {}, {}
+    asked, outputs = {}, {}
     for guarded in (True, False):
         ctl = Controller(kmax=4, costs=CostModel(dict(costs.target_s), 0.0))
         ctl.guard = ctl.guard if guarded else None
         engine = BatchEngine(smollm.model, 2, 200, controller=ctl)
-        gens = [Generation(smollm.model, None, x, params, Overconfident(), 4) for x in ids]
+        gens = [Generation(smollm.model, None, x, params, drafter(), 4) for x in ids]
         run_batch(engine, gens)
-        steps = sum(g.counters.steps for g in gens)
-        spec_steps[guarded] = sum(g.counters.drafted_per_pos[0] for g in gens) / steps
+        asked[guarded] = sum(g.drafter.calls for g in gens) / sum(  # type: ignore[union-attr]
+            g.counters.steps for g in gens)
         outputs[guarded] = [g.output for g in gens]
     assert outputs[True] == outputs[False]
     for out, x in zip(outputs[True], ids, strict=True):
@@ -375,8 +390,8 @@ def test_the_guard_turns_off_speculation_the_cost_model_wrongly_favours(smollm: 
         for _ in solo.run():
             pass
         assert out == solo.output
-    assert spec_steps[False] > 0.9  # all but the last step, which has no room to draft
-    assert spec_steps[True] < 0.5
+    assert asked[False] > 0.9  # all but the last step, which has no room to draft
+    assert asked[True] < 0.5
 
 
 class _Lookup:

@@ -163,8 +163,9 @@ class PayGuard:
     t(B, T) table, the drafting cost); where the model is wrong (acceptance overrated, per-row
     work it does not see, a busy machine), speculation can lose while its predictions say it
     wins. The guard checks the outcome instead: per batch size, the realized tokens per second
-    of speculative steps (committed tokens over the step's wall time, drafting included) against
-    that of plain steps (width 1) of the same batch size. Speculative steps are judged in
+    of speculative steps (committed tokens over the step's wall time, drafting included; a
+    step is speculative when drafters were asked to draft, whatever was verified) against that
+    of plain steps (nothing proposed) of the same batch size. Speculative steps are judged in
     windows of `window` steps: at the end of each, if their rate (a ratio of sums over the
     window) is below plain's, speculation is held off at that batch size for `backoff` steps
     (plain steps, which refresh plain's rate), then tried on a fresh window; each failed window
@@ -261,13 +262,15 @@ class Controller:
         when the guard wants a plain step to refresh plain decoding's measured rate."""
         return self.guard is None or self.guard.allows(batch, self.steps)
 
-    def observe_step(self, batch: int, width: int, tokens: int, seconds: float) -> None:
-        """A finished step: `tokens` committed over `batch` rows at verification width `width`
-        in `seconds` of wall time, drafting included. Probes are the controller's exploration,
-        not its choice to speculate: they are left out of the guard's speculative rate."""
-        if self.guard is None or (width > 1 and self._probed):
+    def observe_step(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
+        """A finished step: `tokens` committed over `batch` rows in `seconds` of wall time,
+        drafting included; `proposed`: some drafter was asked to draft. Such a step is
+        speculative whatever was then verified: a draft cut to nothing still cost its proposing
+        (prompt lookups over 32 rows, every step), and plain decoding pays none of it. Probes
+        are the controller's exploration, not its choice to speculate: left out."""
+        if self.guard is None or (proposed and self._probed):
             return
-        self.guard.observe(batch, width > 1, tokens, seconds, self.steps, self.costs)
+        self.guard.observe(batch, proposed, tokens, seconds, self.steps, self.costs)
 
     def max_width(self, batch: int) -> int:
         """The widest verification width T (1 + draft tokens) a step of `batch` rows may take:

@@ -353,7 +353,9 @@ class BatchEngine:
             self.controller.costs.observe_target(len(drafts), logits.shape[1],
                                                  (end - start) / 1e9)
             catch_up = sum(g.catch_up_ns for g, _ in outputs)  # one-off, as in observe_draft
-            self.controller.observe_step(len(drafts), logits.shape[1],
+            proposed = any(k > 0 and g.drafter is not None
+                           for k, g in zip(ks, self.active, strict=True))
+            self.controller.observe_step(len(drafts), proposed,
                                          sum(g.last_committed for g, _ in outputs),
                                          (end - began - catch_up) / 1e9)
         for gen, out in outputs:
