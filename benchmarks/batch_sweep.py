@@ -1,7 +1,9 @@
 """Benchmark (not a test): throughput and per-token latency of batched speculative decoding.
 
 Batch sizes x workloads of high and low acceptance x {plain, fixed k, auto}, on SmolLM2 with the
-n-gram drafter (drafting costs almost nothing, so what decides is verification at batch B):
+n-gram drafter by default (drafting costs almost nothing, so what decides is verification at
+batch B; `--drafter NAME` measures another, e.g. ngram+w4a16, whose model part drafts row by
+row):
 
 - summarization, greedy: Spec-Bench's summarization prompts (articles cut to 1500 characters so
   a batch of 32 prefills in reasonable time on 2 cores) - high acceptance;
@@ -130,7 +132,7 @@ def pct(xs: list[float], q: int) -> float:
 
 def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens: int,
                   rounds: int, batch: int, configs: list[tuple[str, int | str]] = CONFIGS,
-                  cap: float = 1.5) -> list[dict[str, Any]]:
+                  cap: float = 1.5, drafter: str = "ngram") -> list[dict[str, Any]]:
     """Every config `rounds` times, the order rotated each round; per config: the median of
     its throughput ratio to the same round's plain run, with min-max, and pooled ITLs."""
     templates = prefilled(loaded, texts, temperature, max_tokens)
@@ -144,7 +146,7 @@ def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens:
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in configs}
     # one drafter factory per configuration, kept over its rounds (its drafters share what
     # they learn of acceptance by match length, as a server's do)
-    makers = {label: drafter_factory("ngram", loaded.model) for label, _ in configs}
+    makers = {label: drafter_factory(drafter, loaded.model) for label, _ in configs}
     for r in range(rounds):
         order = configs[r % len(configs):] + configs[: r % len(configs)]
         for label, k in order:
@@ -189,6 +191,9 @@ def main() -> None:
                     help="a subset of plain,k=1,k=2,k=4,auto,auto-cap,auto-noguard,plain-aa "
                     "(plain is always run: the ratios)")
     ap.add_argument("--workloads", default="summarization,writing")
+    ap.add_argument("--drafter", default="ngram",
+                    help="any drafter name generate takes (default ngram); a model drafter "
+                    "drafts row by row, so its cost grows with the batch")
     ap.add_argument("--cap", type=float, default=1.5,
                     help="auto-cap: auto with no step costing more than this many plain steps")
     args = ap.parse_args()
@@ -199,7 +204,7 @@ def main() -> None:
     loaded = load_model()
     hw = hardware()
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"# SmolLM2-135M-Instruct fp32, n-gram drafter, {args.max_tokens} new tokens, "
+    print(f"# SmolLM2-135M-Instruct fp32, {args.drafter} drafter, {args.max_tokens} new tokens, "
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
           f"{hw.get('load_avg_1m')}; {args.rounds} rounds per cell, order rotated; target "
           f"weights {loaded.weight_bytes() / 2**20:.0f} MiB, draft weights 0, draft KV 0")
@@ -222,7 +227,7 @@ def main() -> None:
             texts = prompts(category, max(args.requests_per_slot * batch, args.min_requests),
                             cut)
             for cell in measure_batch(loaded, texts, temperature, args.max_tokens, args.rounds,
-                                      batch, configs, args.cap):
+                                      batch, configs, args.cap, args.drafter):
                 cell.update(workload=name, batch=batch)
                 results.append(cell)
                 acc = cell["accepted_per_drafted"]
