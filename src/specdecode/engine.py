@@ -342,7 +342,8 @@ class BatchEngine:
             rows = len(draft.tokens) + 1
             features = None if hidden is None else hidden[i, :rows]
             out = gen.finish_step(logits[i, :rows], draft, features)
-            if id(gen) in self.alphas:
+            if id(gen) in self.alphas and draft.confidence is None:  # the model drafter's
+                # alpha: drafts with confidences (lookups) are fitted by those, not by it
                 self.alphas[id(gen)].observe(gen.last_alphas)
                 assert self.controller is not None  # estimates exist only under a controller
                 self.controller.observe(gen.category, gen.last_alphas)
@@ -417,7 +418,10 @@ class BatchEngine:
         ks = self.controller.choose([self.alphas[id(g)] for g in self.active])
         if not self.controller.allows(len(self.active)):  # held off: no drafter drafts
             return [0] * len(ks)
-        return [g.k if fits_width(g.drafter) else min(k, g.k)
+        for k, g in zip(ks, self.active, strict=True):
+            if hasattr(g.drafter, "model_k"):  # a hybrid: its lookup always, its model per k
+                g.drafter.model_k = min(k, g.k)  # type: ignore[union-attr]
+        return [g.k if fits_width(g.drafter) or hasattr(g.drafter, "model_k") else min(k, g.k)
                 for k, g in zip(ks, self.active, strict=True)]
 
     def _propose(self, ks: list[int]) -> list[Draft]:

@@ -54,6 +54,10 @@ class HybridDrafter:
         self.min_expected = min_expected
         self.catch_up_ns = 0  # the model's catching up this step (0 when the lookup drafted)
         self.used = [0, 0]
+        # Under the controller (--k auto): the model part's draft length, set every step by
+        # the engine (0 = the model sits out; the lookup is still asked, its confidences then
+        # decide what is verified). None: the k of each proposal, for both.
+        self.model_k: int | None = None
 
     @property
     def cache(self) -> Any:
@@ -80,11 +84,12 @@ class HybridDrafter:
         # the lookup is asked every step, so its rates keep being scored against what the
         # target commits even on the steps the model drafts
         draft = self.lookup.propose(context, k, params, prompt_len, generator)
-        if draft.confidence is not None and expected_accepted(draft.confidence) >= \
-                self.min_expected:
+        model_k = k if self.model_k is None else min(k, self.model_k)
+        if draft.confidence is not None and (model_k <= 0 or expected_accepted(
+                draft.confidence) >= self.min_expected):
             self.used[0] += 1
             return draft
         self.used[1] += 1
-        draft = self.model.propose(context, k, params, prompt_len, generator)
+        draft = self.model.propose(context, model_k, params, prompt_len, generator)
         self.catch_up_ns = int(getattr(self.model, "catch_up_ns", 0))
         return draft
