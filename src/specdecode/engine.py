@@ -421,7 +421,7 @@ class BatchEngine:
         for k, g in zip(ks, self.active, strict=True):
             if hasattr(g.drafter, "model_k"):  # a hybrid: its lookup always, its model per k
                 g.drafter.model_k = min(k, g.k)  # type: ignore[union-attr]
-        return [g.k if fits_width(g.drafter) or hasattr(g.drafter, "model_k") else min(k, g.k)
+        return [g.k if fits_width(g.drafter) else min(k, g.k)
                 for k, g in zip(ks, self.active, strict=True)]
 
     def _propose(self, ks: list[int]) -> list[Draft]:

@@ -86,7 +86,8 @@ def takes_kv(drafter: object) -> bool:
 def fits_width(drafter: object) -> bool:
     """True when `drafter` declares `fits_width`: its drafts carry confidences and proposing
     costs next to nothing, so under the controller it proposes up to its k and the engine keeps
-    what pays (engine.fit_width) instead of taking the controller's per-request k."""
+    what pays (engine.fit_width) instead of taking the controller's per-request k. One that also
+    holds a model part (drafters.hybrid) gets the controller's k for that part as `model_k`."""
     return bool(getattr(drafter, "fits_width", False))
 
 

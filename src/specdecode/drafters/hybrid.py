@@ -54,6 +54,7 @@ class HybridDrafter:
         self.min_expected = min_expected
         self.catch_up_ns = 0  # the model's catching up this step (0 when the lookup drafted)
         self.used = [0, 0]
+        self.fits_width = True  # the lookup's drafts carry confidences (base.fits_width)
         # Under the controller (--k auto): the model part's draft length, set every step by
         # the engine (0 = the model sits out; the lookup is still asked, its confidences then
         # decide what is verified). None: the k of each proposal, for both.
