@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from itertools import pairwise
 from typing import Any
@@ -47,19 +48,50 @@ def _solo(m: LoadedModel, ids: list[int], params: SamplingParams) -> list[int]:
     return gen.output
 
 
-def test_batch_of_8_greedy_with_ragged_k_is_token_identical(smollm: LoadedModel) -> None:
+@pytest.mark.parametrize("copy_name", ["w4a16", "int8"])
+def test_batch_of_8_greedy_with_ragged_k_is_token_identical(smollm: LoadedModel,
+                                                            copy_name: str) -> None:
+    """A quantized copy drafts in the engine's cache: the w4a16 copy's rows together, one
+    forward per draft position over all 8 rows; the int8 copy's one row per forward (its
+    activations are quantized with one scale per forward, which rows would share). Outputs are
+    the target's, and each row drafts as it does alone (row i gets row i's logits)."""
     tok = smollm.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     params = SamplingParams(max_tokens=20)
-    factory = drafter_factory("int8", smollm.model)
+    factory = drafter_factory(copy_name, smollm.model)
     assert factory is not None
     engine = BatchEngine(smollm.model, 8, 160)
     gens = [Generation(smollm.model, None, x, params, factory(), 1 + i % 4, tok.eos_ids)
             for i, x in enumerate(ids)]
-    run_batch(engine, gens)
-    for gen, x in zip(gens, ids, strict=True):
-        assert gen.output == _solo(smollm, x, params)
-    assert sum(g.counters.accepted for g in gens) > 0
+    copy_model = gens[0].drafter.cache_model  # type: ignore[union-attr]
+    assert copy_model is not None
+    calls: list[tuple[int, ...]] = []
+    forward = copy_model.forward
+    copy_model.forward = lambda t, *a, **kw: calls.append(tuple(t.shape)) or forward(t, *a, **kw)
+    for gen in gens:
+        engine.submit(gen)
+    full_steps = 0
+    while engine.busy:
+        before, drafted = len(calls), [g.counters.drafted for g in gens]
+        stepped = [g for g, _ in engine.step()]
+        widths = [g.counters.drafted - d for g, d in zip(gens, drafted, strict=True)]
+        if len(stepped) == 8:
+            full_steps += 1
+            if copy_name == "w4a16":
+                assert calls[before:] == [(8, 1)] * max(widths)
+            else:
+                assert calls[before:] == [(1, 1)] * sum(widths)
+    assert full_steps > 0
+    copy_model.forward = forward
+    alone = [Generation(smollm.model, None, x, params, factory(), 1 + i % 4, tok.eos_ids)
+             for i, x in enumerate(ids)]
+    for gen, solo, x in zip(gens, alone, ids, strict=True):
+        for _ in solo.run():
+            pass
+        assert gen.output == solo.output == _solo(smollm, x, params)
+    accepted = [sum(g.counters.accepted for g in run) for run in (gens, alone)]
+    drafted = [sum(g.counters.drafted for g in run) for run in (gens, alone)]
+    assert accepted[0] / drafted[0] > 0.9 * accepted[1] / drafted[1]
     assert engine.cache.lengths == [0] * 8 and not engine.busy
 
 
@@ -126,6 +158,15 @@ def test_sampled_distribution_holds_at_batch_8(models: Any) -> None:  # noqa: F8
     target, draft, other = models
     exact = exact_pairs(target, PARAMS)
     good = _batched_pairs(target, lambda: DraftModelDrafter(draft), 2, SAMPLES)
+    assert gof_p_value(good, exact) > FALSE_ALARM
+    # a draft of the target's layout (other weights) drafting in the engine's cache, rows
+    # together
+    in_cache = copy.deepcopy(target)
+    with torch.no_grad():
+        for w in in_cache.parameters():
+            w.add_(0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+    good = _batched_pairs(target, lambda: DraftModelDrafter(in_cache, in_cache=True), 3,
+                          SAMPLES)
     assert gof_p_value(good, exact) > FALSE_ALARM
     bad = _batched_pairs(target, lambda: FaultyDrafter(draft, "q-from-other-model", other), 2,
                          SAMPLES)
@@ -468,3 +509,24 @@ def test_a_hybrids_lookup_is_asked_while_the_controller_keeps_its_model_off(
     assert hybrid.used[0] > 0 and hybrid.used[1] == 0  # type: ignore[union-attr]
     assert gen.counters.drafted > 0
     assert gen.output == _solo(smollm, ids, params)
+
+
+def test_the_draft_cost_is_kept_per_batch_size() -> None:
+    """A copy drafting in the target's cache drafts a batch's rows in one forward per position,
+    so its cost per draft token falls with the batch: the controller reads the cost measured at
+    the batch size it chooses for. With one cost over all sizes (the batch-1 cost dominating
+    here), it keeps speculation off at batch 8 where it pays."""
+    table = {(b, w): 0.05 * (1 + 0.1 * (w - 1)) for b in (1, 8) for w in range(1, 6)}
+    costs = CostModel(target_s=dict(table))
+    for _ in range(20):
+        costs.observe_draft(1, 0.04, 1)  # batch 1: 0.8 target steps per draft token
+    costs.observe_draft(8, 8 * 0.003, 8)  # batch 8, once: 8 tokens in one 24 ms round
+    assert costs.draft(1) == pytest.approx(0.04) and costs.draft(8) == pytest.approx(0.003)
+    assert costs.draft(4) == costs.draft_token_s and costs.draft_token_s > 0.03
+    ctl = Controller(kmax=4, costs=costs)
+    alphas = [AlphaEstimate(0.9) for _ in range(8)]
+    assert max(ctl.choose(alphas)) >= 2
+    assert max(ctl.choose(alphas[:1])) == 0  # batch 1 at 0.8 steps per token: off
+    one_cost = Controller(kmax=4, costs=CostModel(target_s=dict(table),
+                                                  draft_token_s=costs.draft_token_s))
+    assert max(one_cost.choose(alphas)) == 0

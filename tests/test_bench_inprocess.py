@@ -20,6 +20,7 @@ from specdecode.bench.inprocess import (
     TurnRequest,
     conversation_text,
     generate_one,
+    kv_bytes,
     weight_bytes,
 )
 from specdecode.bench.inprocess import (
@@ -27,6 +28,7 @@ from specdecode.bench.inprocess import (
 )
 from specdecode.bench.records import ConfigSpec, RequestSample
 from specdecode.bench.workloads import Prompt, Workload
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel, load_model
@@ -111,6 +113,14 @@ def test_generate_one_counts_rejections_and_bursts(tiny: LoadedModel, mode: str)
     assert done.draft_kv == 0 and done.target_kv > 0
 
 
+def test_a_draft_models_own_cache_is_counted(tiny: LoadedModel) -> None:
+    ids = tiny.tokenizer.encode("t5 t6 t7")
+    request = TurnRequest(Prompt("p", "c", ["x"]), 0, ids, SamplingParams(max_tokens=8))
+    drafter = DraftModelDrafter(tiny.model, "draft-model")
+    done = generate_one(tiny.model, tiny.tokenizer, request, drafter, 2, ())
+    assert done.draft_kv == kv_bytes(tiny.model.new_cache(1, 128)) > 0  # its first allocation
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -138,7 +148,9 @@ def test_tiny_end_to_end_through_the_harness(tiny: LoadedModel, tmp_path: Path) 
     assert audits["int8-k2"].passed and audits["int8-k2"].n_compared == 3
     assert audits["ngram-k3"].passed and audits["ngram-k3"].method == "greedy-token-identity"
     memory = {m.config: m for m in results.memory}
-    assert memory["int8-k2"].draft_weights > 0 and memory["int8-k2"].draft_kv > 0
+    # the int8 copy drafts in the target's cache (its draft positions are the target's room
+    # for verification): weights of its own, no KV
+    assert memory["int8-k2"].draft_weights > 0 and memory["int8-k2"].draft_kv == 0
     assert memory["ngram-k3"].draft_weights == 0 == memory["plain"].draft_kv
     assert memory["plain"].target_weights == weight_bytes(tiny.model) > 0
     curves = {c.drafter: c for c in results.cost_curves}

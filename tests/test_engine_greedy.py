@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 
 from specdecode.drafters.registry import drafter_factory
@@ -101,62 +104,79 @@ def test_wrong_drafter_is_caught_by_the_identity_check(
     assert gen.output == expected and broken.output != expected
 
 
-def test_quantized_copy_holds_the_targets_kv_of_the_committed_context(
+def _feeds(model: Any) -> list[tuple[int, ...]]:
+    """Record the token shapes `model` is called with (patched on the instance)."""
+    seen: list[tuple[int, ...]] = []
+    forward = model.forward
+
+    def recording(tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(tuple(tokens.shape))
+        return forward(tokens, *args, **kwargs)
+
+    model.forward = recording
+    return seen
+
+
+def test_quantized_copy_drafts_in_the_targets_cache(
     smollm: LoadedModel, plain: tuple[list[int], list[int]]
 ) -> None:
-    """The w4a16 copy takes the target's prompt keys and values after the target's prefill, and
-    those of every committed token after each step: its first proposal feeds only the pending
-    token, and so does a proposal after steps it sat out (nothing to catch up). The output is
-    still the target's. A copy that does not borrow prefills the prompt itself, and catches up
-    with the tokens committed while it was not asked."""
-    import torch
-
+    """The w4a16 copy drafts in the target's own KV cache: it holds no cache, its proposals feed
+    only the pending token and its draft tokens (no prefill of the prompt, no catching up after
+    steps it sat out), drafting leaves the target's cache length where it was, and the output is
+    the target's. A copy drafting in a cache of its own prefills the prompt and catches up."""
     from specdecode.drafters.draft_model import DraftModelDrafter
 
     ids, expected = plain
     factory = drafter_factory("w4a16", smollm.model)
     assert factory is not None
-    borrowing = factory()
-    assert isinstance(borrowing, DraftModelDrafter) and borrowing.borrow_kv
-    own = DraftModelDrafter(borrowing.model, "w4a16", borrow_kv=False)
-    for drafter, borrowed in ((borrowing, True), (own, False)):
+    in_cache = factory()
+    assert isinstance(in_cache, DraftModelDrafter) and in_cache.cache_model is in_cache.model
+    own = DraftModelDrafter(copy.deepcopy(in_cache.model), "w4a16")
+    for drafter, shared in ((in_cache, True), (own, False)):
+        seen = _feeds(drafter.model)
         gen = Generation(smollm.model, smollm.tokenizer, ids, SamplingParams(max_tokens=TOKENS),
                          drafter, 3, smollm.tokenizer.eos_ids)
         gen.prefill()
-        n = len(ids) - 1
-        assert (drafter.fed == ids[:n]) is borrowed
-        if borrowed:
-            assert torch.equal(drafter.cache.k[:, 0, :, :n], gen.cache.k[:, 0, :, :n])
+        length = gen.cache.lengths[0]
+        draft = gen.propose()
+        assert len(draft.tokens) == 3 and gen.cache.lengths[0] == length
+        assert (seen == [(1, 1)] * 3) is shared  # own cache: the prompt first
+        assert (drafter.cache is None) is shared
         gen.step()
-        assert (drafter.catch_up_ns == 0) is borrowed
         gen.next_k = 0  # three steps without drafting: the drafter is not asked
         for _ in range(3):
             gen.step()
-        n = gen.cache.lengths[0]
-        if borrowed:
-            assert drafter.fed == gen.context[:n]
-            assert torch.equal(drafter.cache.v[:, 0, :, :n], gen.cache.v[:, 0, :, :n])
         gen.next_k = 3
+        seen.clear()
         gen.step()
-        assert (drafter.catch_up_ns == 0) is borrowed
+        assert (seen == [(1, 1)] * 3) is shared  # own cache: catches up with 4+ tokens first
+        assert (drafter.catch_up_ns == 0) is shared
         for _ in gen.run():
             pass
         assert gen.output == expected
+        assert gen.counters.accepted > 0.8 * gen.counters.drafted
 
 
-def test_quantized_copy_takes_the_targets_kv_past_its_first_cache_size(
-    smollm: LoadedModel, plain: tuple[list[int], list[int]]
+def test_drafting_in_the_targets_cache_must_leave_its_lengths_alone(
+    smollm: LoadedModel, plain: tuple[list[int], list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The copy's cache grows (doubling from 128 positions) while it drafts, inside inference
-    mode; the target's KV is still written into it after every step."""
-    ids, _ = plain
-    longer = _run_tokens(smollm, ids, None, 0, 96)
+    """The copy's draft positions are written past the row's committed tokens on a view whose
+    lengths are a copy. A variant whose view shares the cache's lengths leaves the target's
+    cache advanced past the draft, and the output is no longer the target's."""
+    import specdecode.engine as engine
+
+    ids, expected = plain
     factory = drafter_factory("w4a16", smollm.model)
     assert factory is not None
-    drafter = factory()
-    gen = _run_tokens(smollm, ids, drafter, 3, 96)
-    assert len(ids) + 96 > 128 and drafter.cache.capacity > 128  # type: ignore[attr-defined]
-    assert gen.output == longer.output
+
+    def shared_lengths(cache: Any, first: int, n: int) -> Any:
+        view = copy.copy(cache)
+        view.k, view.v = cache.k[:, first:first + n], cache.v[:, first:first + n]
+        return view  # view.lengths is the cache's own list (one row here)
+
+    monkeypatch.setattr(engine, "rows_view", shared_lengths)
+    gen = _run_tokens(smollm, ids, factory(), 3, TOKENS)
+    assert gen.output != expected
 
 
 COPYING = ('Repeat the following text exactly, word for word: "Alice packed three red apples, '

@@ -114,7 +114,7 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
     template = Generation(model, None, prompt, dataclasses.replace(params, max_tokens=tokens))
     template.prefill()  # every sample starts from this prompt's KV (a copy, not a recompute)
     warm = make_drafter()
-    if isinstance(warm, DraftModelDrafter):
+    if isinstance(warm, DraftModelDrafter) and warm.cache_model is None:  # its own cache
         warm._sync(prompt)
     for i in range(samples):
         p = dataclasses.replace(params, max_tokens=tokens, seed=seed + 2 * i)

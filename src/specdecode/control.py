@@ -6,7 +6,9 @@ It maximises the expected tokens per second of the whole batch from three measur
   (exponentially weighted over its verified draft positions), seeded by the running alpha of
   its category (every request's verified positions also update its category's estimate, more
   slowly), so a short request starts from what its kind of traffic has shown, not a guess;
-- draft cost: seconds to draft one token (a running average of measured drafting time);
+- draft cost: seconds to draft one token (a running average of measured drafting time, kept
+  per batch size too: a copy drafting in the target's cache drafts a batch's rows in one forward
+  per position, so its cost per token falls as the batch grows);
 - target cost t(B, T): seconds of one step over B rows of T positions, from a table of forward
   passes measured before serving (costs.forward_costs), refreshed by every step the engine runs,
   timed from the forward to the end of every row's verification and commit (per-row work that
@@ -96,8 +98,13 @@ class CostModel:
     """Measured seconds of a target forward t(B, T) and of drafting one token."""
 
     target_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    draft_token_s: float | None = None
+    draft_token_s: float | None = None  # over every batch size
     smoothing: float = 0.2
+    draft_batch_s: dict[int, float] = field(default_factory=dict)  # per batch size
+
+    def draft(self, batch: int) -> float | None:
+        """Seconds per draft token at this batch size (where measured, else overall)."""
+        return self.draft_batch_s.get(batch, self.draft_token_s)
 
     def target(self, batch: int, width: int) -> float:
         if (batch, width) in self.target_s:
@@ -124,13 +131,17 @@ class CostModel:
         self.target_s[(batch, width)] = seconds if old is None else (
             (1 - self.smoothing) * old + self.smoothing * seconds)
 
-    def observe_draft(self, tokens: int, seconds: float) -> None:
+    def observe_draft(self, tokens: int, seconds: float, batch: int | None = None) -> None:
         if tokens <= 0:
             return
         per = seconds / tokens
         old = self.draft_token_s
         self.draft_token_s = per if old is None else (1 - self.smoothing) * old + \
             self.smoothing * per
+        if batch is not None:
+            old = self.draft_batch_s.get(batch)
+            self.draft_batch_s[batch] = per if old is None else (1 - self.smoothing) * old + \
+                self.smoothing * per
 
 
 @dataclass
@@ -304,7 +315,7 @@ class Controller:
         """Draft length per request for the next step (0 = off)."""
         batch = len(alphas)
         self.steps += 1
-        draft_s = self.costs.draft_token_s
+        draft_s = self.costs.draft(batch)
         if batch == 0 or self.kmax == 0:
             return [0] * batch
         if not self.allows(batch):  # the guard holds speculation off, or wants a plain step

@@ -1,6 +1,8 @@
 """The engine: one speculative step is five moves, always in this order.
 
 1. propose  - the drafter proposes up to k tokens (and the q they were drawn from, if any);
+              a quantized copy of the target drafts in the target's own cache, a batch's rows
+              together (draft_rows, draft_in_cache);
 2. score    - the target scores [pending token, draft...] in ONE forward pass: k+1 rows of p;
 3. verify   - a pure function keeps a prefix and draws the recovered or bonus token;
 4. commit   - the target cache rolls back to the kept prefix by moving its length (no copy);
@@ -35,9 +37,10 @@ from specdecode.control import AlphaEstimate, Controller, CostModel, best_width
 from specdecode.drafters.base import (
     Draft,
     Drafter,
+    Rounds,
+    drafts_in_cache,
     fits_width,
     ids_tensor,
-    takes_kv,
     wants_hidden,
 )
 from specdecode.errors import SpecDecodeError
@@ -113,7 +116,6 @@ class Generation:
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
         self.last_committed = 0  # tokens the last step committed (EOS included)
         self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
-        self._lent = 0  # committed positions whose target KV the drafter holds (take_kv)
 
     @property
     def prefilled(self) -> bool:
@@ -136,24 +138,8 @@ class Generation:
                 else:
                     self.model(chunk, self.cache, logits_for="none")
         self._prefilled = end
-        if self.prefilled:
-            self._lend_kv()
         self.counters.prefill_ns += time.perf_counter_ns() - start
         return self.prefilled
-
-    def _lend_kv(self) -> None:
-        """Hand the target's keys and values of the positions committed since the last call to a
-        drafter that takes them (a quantized copy of the target: it skips its own prefill of the
-        prompt and its catching up with tokens it did not draft; drafters.base.KVTaker)."""
-        if self.drafter is None or not takes_kv(self.drafter) or not hasattr(self.cache, "k"):
-            return
-        start, end = self._lent, self.cache.lengths[self.row]
-        if end > start:
-            with torch.inference_mode():  # the drafter's cache may be an inference tensor
-                self.drafter.take_kv(  # type: ignore[attr-defined]
-                    start, self.context[start:end], self.cache.k[:, self.row, :, start:end],
-                    self.cache.v[:, self.row, :, start:end])
-            self._lent = end
 
     def adopt_prefill(self, template: Generation) -> None:
         """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
@@ -167,7 +153,6 @@ class Generation:
         self.cache.v[:, 0, :, :n] = template.cache.v[:, template.row, :, :n]
         self.cache.lengths[0] = n
         self._prefilled = n
-        self._lend_kv()
 
     def step(self) -> StepOutput:
         """One whole speculative step on this request's own cache."""
@@ -175,14 +160,11 @@ class Generation:
             return StepOutput([], "", self.finish_reason)
         if not self.prefilled:
             self.prefill()
-        t0 = time.perf_counter_ns()
         draft = self.propose()  # 1. propose
         t1 = time.perf_counter_ns()
         logits, hidden = score(self.model, self.fed(draft)[None], self.cache,
                                self.wants_hidden)  # 2. score: (1, k+1, V)
-        t2 = time.perf_counter_ns()
-        self.counters.draft_ns += t1 - t0
-        self.counters.target_ns += t2 - t1
+        self.counters.target_ns += time.perf_counter_ns() - t1
         return self.finish_step(logits[0], draft, None if hidden is None else hidden[0])
 
     def fed(self, draft: Draft) -> torch.Tensor:
@@ -190,17 +172,32 @@ class Generation:
         return torch.cat([torch.tensor(self.context[-1:]), draft.tokens])  # (k+1,)
 
     def propose(self) -> Draft:
+        """This request's draft for its next step (timed into its counters)."""
+        return draft_rows([self])[0]
+
+    def begin_draft(self) -> Draft | Rounds:
+        """Start proposing: the draft, or, for a drafter that drafts in the target's cache
+        (drafters.base.CacheDrafter), its rounds for draft_in_cache to run."""
         self.catch_up_ns = 0  # a drafter's one-off catching up with the context, this step
-        room = self.params.max_tokens - len(self.output) - 1
-        k = min(self.next_k, room)
+        k = self._draft_budget()
         if self.drafter is None or k <= 0:
             return Draft(_EMPTY, None)
         ctx = ids_tensor(self.context)
+        if drafts_in_cache(self.drafter) and hasattr(self.cache, "k"):
+            return self.drafter.rounds(  # type: ignore[attr-defined,no-any-return]
+                ctx, k, self.params, self.prompt_len, self.generator)
         with torch.inference_mode():
             draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
         self.catch_up_ns = int(getattr(self.drafter, "catch_up_ns", 0))
-        draft = cut(draft, k)
+        return draft
+
+    def end_draft(self, draft: Draft) -> Draft:
+        """The draft cut to this step's budget, as the verifier takes it."""
+        draft = cut(draft, self._draft_budget())
         return Draft(draft.tokens.to(torch.long), draft.q, draft.confidence)
+
+    def _draft_budget(self) -> int:
+        return min(self.next_k, self.params.max_tokens - len(self.output) - 1)
 
     def finish_step(self, logits: torch.Tensor, draft: Draft,
                     hidden: torch.Tensor | None = None) -> StepOutput:
@@ -215,7 +212,6 @@ class Generation:
         if hidden is not None and self.wants_hidden:  # features of the kept positions
             self.drafter.observe(hidden[: result.num_accepted + 1], base)  # type: ignore[union-attr]
         out = self._emit(result.tokens.tolist())
-        self._lend_kv()  # the committed positions' KV, to a drafter that holds the target's
         c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
         self.last_committed = result.num_accepted + 1
         c.record_alpha(alphas)
@@ -425,13 +421,10 @@ class BatchEngine:
                 for k, g in zip(ks, self.active, strict=True)]
 
     def _propose(self, ks: list[int]) -> list[Draft]:
-        drafts = []
         start = time.perf_counter_ns()
         for gen, k in zip(self.active, ks, strict=True):
             gen.next_k = k
-            t0 = time.perf_counter_ns()
-            drafts.append(gen.propose())
-            gen.counters.draft_ns += time.perf_counter_ns() - t0
+        drafts = draft_rows(self.active)
         if self.controller is not None:  # --k auto: verify what pays; a fixed k is kept
             drafts = fit_width(drafts, self.controller.costs,
                                self.controller.max_width(len(drafts)))
@@ -441,7 +434,7 @@ class BatchEngine:
         if self.controller is not None and drafted:
             catch_up = sum(g.catch_up_ns for g in self.active)
             self.controller.costs.observe_draft(
-                drafted, (time.perf_counter_ns() - start - catch_up) / 1e9)
+                drafted, (time.perf_counter_ns() - start - catch_up) / 1e9, len(drafts))
         return drafts
 
     def _score(self, drafts: list[Draft]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -453,9 +446,7 @@ class BatchEngine:
         tokens = torch.zeros(n, width, dtype=torch.long)
         for i, f in enumerate(fed):
             tokens[i, : len(f)] = f
-        view = copy.copy(self.cache)  # the first n rows: views of the same storage
-        view.k, view.v = self.cache.k[:, :n], self.cache.v[:, :n]
-        view.lengths = self.cache.lengths[:n]
+        view = rows_view(self.cache, 0, n)
         start = time.perf_counter_ns()
         want = any(g.wants_hidden for g in self.active)
         logits, hidden = score(self.model, tokens, view, want, num_new=[len(f) for f in fed])
@@ -464,6 +455,88 @@ class BatchEngine:
         for gen in self.active:
             gen.counters.target_ns += elapsed
         return logits, hidden
+
+
+def draft_rows(gens: list[Generation]) -> list[Draft]:
+    """Each request's draft for its next step. Requests whose drafters draft in the target's
+    cache (drafters.base.CacheDrafter) draft together where they share a cache and a draft
+    model (a batch's rows) and its rows do not move each other's results (rows_independent:
+    not an int8 copy): one forward of it per draft position (draft_in_cache). The others
+    propose one by one. Each request's drafting time goes to its counters, a shared forward's
+    split evenly among the rows it fed."""
+    drafts: list[Draft | None] = [None] * len(gens)
+    groups: dict[tuple[int, int, int], list[tuple[int, Rounds]]] = {}
+    for i, gen in enumerate(gens):
+        t0 = time.perf_counter_ns()
+        begun = gen.begin_draft()
+        gen.counters.draft_ns += time.perf_counter_ns() - t0
+        if isinstance(begun, Draft):
+            drafts[i] = begun
+        else:
+            model = gen.drafter.cache_model  # type: ignore[union-attr]
+            alone = -1 if getattr(model, "rows_independent", False) else i
+            groups.setdefault((id(gen.cache), id(model), alone), []).append((i, begun))
+    for members in groups.values():
+        first = gens[members[0][0]]
+        made, spent = draft_in_cache(first.drafter.cache_model,  # type: ignore[union-attr]
+                                     first.cache, [gens[i].row for i, _ in members],
+                                     [rounds for _, rounds in members])
+        for (i, _), draft, ns in zip(members, made, spent, strict=True):
+            drafts[i] = draft
+            gens[i].counters.draft_ns += ns
+    return [g.end_draft(d) for g, d in zip(gens, drafts, strict=True)]  # type: ignore[arg-type]
+
+
+def draft_in_cache(model: Any, cache: Any, rows: list[int], steps: list[Rounds]
+                   ) -> tuple[list[Draft], list[int]]:
+    """Run drafters' `rounds` (drafters.base.CacheDrafter) in the target's `cache`, request i in
+    row rows[i]. Each round, one forward of `model` over the rows from the first to the last of
+    them feeds every row's next token at the slot after its length (rows between with nothing to
+    feed this round get a placeholder and do not advance) and sends each its logits. The rounds
+    run on a view whose lengths are a copy: the cache's own lengths never move, the slots written
+    lie past every row's committed tokens, and the target's verification overwrites them.
+    Returns the drafts and the nanoseconds each request spent."""
+    drafts: list[Draft] = [Draft(_EMPTY, None)] * len(steps)
+    spent = [0] * len(steps)
+    feeds: dict[int, int] = {}  # request -> the token it feeds this round
+    with torch.inference_mode():
+        for i, rounds in enumerate(steps):
+            t0 = time.perf_counter_ns()
+            try:
+                feeds[i] = next(rounds)
+            except StopIteration as done:
+                drafts[i] = done.value
+            spent[i] += time.perf_counter_ns() - t0
+        first = min((rows[i] for i in feeds), default=0)
+        n = max((rows[i] - first for i in feeds), default=-1) + 1
+        view = rows_view(cache, first, n)
+        while feeds:
+            t0 = time.perf_counter_ns()
+            tokens = torch.zeros(n, 1, dtype=torch.long)
+            fed = [0] * n
+            for i, tok in feeds.items():
+                tokens[rows[i] - first, 0], fed[rows[i] - first] = tok, 1
+            logits = model(tokens, view, num_new=fed, logits_for="last")  # (n, 1, V)
+            share = (time.perf_counter_ns() - t0) // len(feeds)
+            following: dict[int, int] = {}
+            for i in feeds:
+                t1 = time.perf_counter_ns()
+                try:
+                    following[i] = steps[i].send(logits[rows[i] - first, 0])
+                except StopIteration as done:
+                    drafts[i] = done.value
+                spent[i] += share + time.perf_counter_ns() - t1
+            feeds = following
+    return drafts, spent
+
+
+def rows_view(cache: Any, first: int, n: int) -> Any:
+    """The cache's rows first..first+n-1: views of the same storage, with a copy of their
+    lengths."""
+    view = copy.copy(cache)
+    view.k, view.v = cache.k[:, first:first + n], cache.v[:, first:first + n]
+    view.lengths = cache.lengths[first:first + n]
+    return view
 
 
 def fit_width(drafts: list[Draft], costs: CostModel, max_width: int | None = None

@@ -10,8 +10,9 @@ and are verified as if q were one-hot on their token.
 from __future__ import annotations
 
 import array
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -66,21 +67,34 @@ def wants_hidden(drafter: object) -> bool:
     return callable(getattr(drafter, "observe", None))
 
 
-class KVTaker(Protocol):
+Rounds = Generator[int, torch.Tensor, "Draft"]  # a CacheDrafter's proposal (see below)
+
+
+class CacheDrafter(Protocol):
     """Optional: a drafter whose model has the target's cache layout (a quantized copy of the
-    target) and holds the target's keys and values of the committed context instead of computing
-    its own. The engine calls `take_kv(start, tokens, k, v)` once the prompt is prefilled
-    (start 0) and after every step, with the n committed `tokens` at positions start.. that it
-    has not lent before and their k and v (layers, kv_heads, n, head_dim). The drafter then
-    computes only its draft positions (and the pending token)."""
+    target) and drafts in the target's own KV cache. The target's cache holds the keys and values
+    of every committed token but the pending one; the draft model feeds the pending token and its
+    own draft tokens at the slots after them, attending over the target's KV of the context (so
+    it holds no cache, prefills nothing and never catches up), and the engine then moves the
+    row's length back: the target's verification overwrites those slots with its own keys and
+    values. Because every row's draft lives in one cache, the engine drafts a whole batch's rows
+    in one forward of `cache_model` per draft position (engine.draft_in_cache).
 
-    def take_kv(self, start: int, tokens: list[int], k: torch.Tensor, v: torch.Tensor
-                ) -> None: ...
+    `rounds` is the proposal as an explicit generator: it yields each token to feed at the row's
+    next slot, is sent the (V,) logits of that position, and returns the Draft. `cache_model`
+    is the model to run (None: this drafter, e.g. a hybrid whose model part has its own cache,
+    does not draft in the cache)."""
+
+    cache_model: Any
+
+    def rounds(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
+               generator: torch.Generator | None) -> Rounds: ...
 
 
-def takes_kv(drafter: object) -> bool:
-    """True when `drafter` has a `take_kv` method (KVTaker)."""
-    return callable(getattr(drafter, "take_kv", None))
+def drafts_in_cache(drafter: object) -> bool:
+    """True when `drafter` drafts in the target's cache (CacheDrafter with a cache_model)."""
+    return getattr(drafter, "cache_model", None) is not None and callable(
+        getattr(drafter, "rounds", None))
 
 
 def fits_width(drafter: object) -> bool:

@@ -18,8 +18,9 @@ which matches it at e ~0.3-0.55; 0.6 keeps a margin for the rates being estimate
 greedy match (rates 0.6, 0.7, ...) clears it at any k, a 2-token one (0.45, 0.6, ...) from k=2,
 a 1-token one (0.2, 0.45, ...) at no k.
 
-The model drafter should borrow the target's KV (drafters.base.KVTaker; the quantized copies
-do): then the steps the lookup drafted cost it no catching up. Lossless either way: which of
+The model drafter should draft in the target's cache (drafters.base.CacheDrafter; the quantized
+copies do): then the steps the lookup drafted cost it no catching up, and in a batch the rows
+whose lookup has nothing draft through the model together. Lossless either way: which of
 the two drafts depends only on the committed context (never on a draw of this step), a lookup
 draft is verified as one-hot, a model draft against the q it was drawn from.
 """
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from specdecode.control import expected_accepted
-from specdecode.drafters.base import Draft, Drafter, takes_kv
+from specdecode.drafters.base import Draft, Drafter, Rounds, drafts_in_cache
 from specdecode.sampling import SamplingParams
 
 MIN_EXPECTED = 0.6
@@ -69,9 +70,10 @@ class HybridDrafter:
         self.lookup.reset()
         self.model.reset()
 
-    def take_kv(self, start: int, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        if takes_kv(self.model):
-            self.model.take_kv(start, tokens, k, v)  # type: ignore[attr-defined]
+    @property
+    def cache_model(self) -> Any:
+        """The model part's model when it drafts in the target's cache (base.CacheDrafter)."""
+        return self.model.cache_model if drafts_in_cache(self.model) else None  # type: ignore[attr-defined]
 
     def propose(
         self,
@@ -82,15 +84,41 @@ class HybridDrafter:
         generator: torch.Generator | None,
     ) -> Draft:
         self.catch_up_ns = 0
+        draft = self._lookup(context, k, params, prompt_len, generator)
+        if draft is not None:
+            return draft
+        draft = self.model.propose(context, self._model_k(k), params, prompt_len, generator)
+        self.catch_up_ns = int(getattr(self.model, "catch_up_ns", 0))
+        return draft
+
+    def rounds(
+        self,
+        context: torch.Tensor,
+        k: int,
+        params: SamplingParams,
+        prompt_len: int,
+        generator: torch.Generator | None,
+    ) -> Rounds:
+        """propose, with the model part drafting in the target's cache (base.CacheDrafter)."""
+        draft = self._lookup(context, k, params, prompt_len, generator)
+        if draft is not None:
+            return draft
+        return (yield from self.model.rounds(  # type: ignore[attr-defined]
+            context, self._model_k(k), params, prompt_len, generator))
+
+    def _model_k(self, k: int) -> int:
+        return k if self.model_k is None else min(k, self.model_k)
+
+    def _lookup(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
+                generator: torch.Generator | None) -> Draft | None:
+        """The lookup's draft when it is worth verifying alone (or the model sits out), else
+        None (the model drafts; counted in `used`)."""
         # the lookup is asked every step, so its rates keep being scored against what the
         # target commits even on the steps the model drafts
         draft = self.lookup.propose(context, k, params, prompt_len, generator)
-        model_k = k if self.model_k is None else min(k, self.model_k)
-        if draft.confidence is not None and (model_k <= 0 or expected_accepted(
+        if draft.confidence is not None and (self._model_k(k) <= 0 or expected_accepted(
                 draft.confidence) >= self.min_expected):
             self.used[0] += 1
             return draft
         self.used[1] += 1
-        draft = self.model.propose(context, model_k, params, prompt_len, generator)
-        self.catch_up_ns = int(getattr(self.model, "catch_up_ns", 0))
-        return draft
+        return None

@@ -144,7 +144,7 @@ def drafter_factory(
             weights = quantize_int8(copy.deepcopy(target))
         else:  # a new model (4-bit blocks, bf16 ends); the target's norms shared, unchanged
             weights = apply_precision(target, "w4a16")
-        return lambda: DraftModelDrafter(weights, name, capacity, borrow_kv=True)
+        return lambda: DraftModelDrafter(weights, name, capacity, in_cache=True)
     if name == "draft-model":
         if not draft_model:
             raise SpecDecodeError("--drafter draft-model needs --draft-model PATH")

@@ -177,6 +177,14 @@ class LlamaModel(nn.Module):
         """The dtype of activations and of the KV cache (fp32 at every precision)."""
         return self.norm.dtype
 
+    @property
+    def rows_independent(self) -> bool:
+        """Whether a row's outputs are independent of the other rows of its forward pass: not
+        at int8, whose dynamic activation quantization takes one scale for the whole input
+        (fbgemm's linear_dynamic), so a batch's rows, and placeholder rows, move each other's
+        rounding (engine.draft_rows then drafts such a copy one row per forward)."""
+        return self.precision != "int8"
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         cfg = self.cfg
         return KVCache(
