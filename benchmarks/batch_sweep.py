@@ -2,8 +2,8 @@
 
 Batch sizes x workloads of high and low acceptance x {plain, fixed k, auto}, on SmolLM2 with the
 n-gram drafter by default (drafting costs almost nothing, so what decides is verification at
-batch B; `--drafter NAME` measures another, e.g. ngram+w4a16, whose model part drafts row by
-row):
+batch B; `--drafter NAME` measures another, e.g. w4a16 or ngram+w4a16, whose 4-bit copy drafts
+a batch's rows together in the target's cache, one forward per draft position):
 
 - summarization, greedy: Spec-Bench's summarization prompts (articles cut to 1500 characters so
   a batch of 32 prefills in reasonable time on 2 cores) - high acceptance;
@@ -46,11 +46,13 @@ from typing import Any
 
 import torch
 
+from specdecode.bench.inprocess import kv_bytes
 from specdecode.control import Controller, calibrated_costs
 from specdecode.costs import hardware
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation
+from specdecode.memory import drafter_module, weight_bytes
 from specdecode.models.loading import load_model
 from specdecode.sampling import SamplingParams
 
@@ -102,7 +104,10 @@ def run_cell(loaded: Any, templates: list[Generation], k: int | str,
     start = time.perf_counter()
     last: dict[int, float] = {}
     full_tokens, full_s = 0, 0.0  # over the steps that decoded every one of the B slots
+    draft_kv = 0  # the most the drafters' own caches held at once
     while engine.busy:
+        draft_kv = max(draft_kv, sum(kv_bytes(getattr(g.drafter, "cache", None))
+                                     for g in engine.active))
         t0 = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
@@ -117,12 +122,14 @@ def run_cell(loaded: Any, templates: list[Generation], k: int | str,
                 last[id(gen)] = now
     wall = time.perf_counter() - start
     drafted = sum(g.counters.drafted for g in gens)
+    module = drafter_module(gens[0].drafter)
     accepted = sum(g.counters.accepted for g in gens)
     return {"throughput": sum(len(g.output) for g in gens) / wall, "itl": itl,
             "full_throughput": full_tokens / full_s if full_s else 0.0,
             "accepted_per_drafted": accepted / drafted if drafted else None,
-            "target_kv_bytes": engine.cache.nbytes(), "draft_kv_bytes": 0,
-            "draft_weight_bytes": 0, "peak_rss_bytes": resource.getrusage(
+            "target_kv_bytes": engine.cache.nbytes(), "draft_kv_bytes": draft_kv,
+            "draft_weight_bytes": 0 if module is None else weight_bytes(module, shared=model),
+            "peak_rss_bytes": resource.getrusage(
                 resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -207,7 +214,7 @@ def main() -> None:
     print(f"# SmolLM2-135M-Instruct fp32, {args.drafter} drafter, {args.max_tokens} new tokens, "
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "
           f"{hw.get('load_avg_1m')}; {args.rounds} rounds per cell, order rotated; target "
-          f"weights {loaded.weight_bytes() / 2**20:.0f} MiB, draft weights 0, draft KV 0")
+          f"weights {loaded.weight_bytes() / 2**20:.0f} MiB (draft weights and KV: per cell)")
     print(f"# max({args.requests_per_slot}B, {args.min_requests}) requests through B slots; "
           "tok/s = tokens emitted by the steps in which all B slots decoded / their time (the "
           "throughput at batch B); x plain = median over rounds of (config tok/s / plain tok/s "
@@ -222,7 +229,7 @@ def main() -> None:
         print(f"\n## {name}")
         print(f"{'batch':>5} {'config':>12} {'tok/s':>8} {'x plain (min-max)':>18} "
               f"{'whole run':>9} {'ITL p50':>8} {'ITL p99':>8} {'acc/dr':>6} {'target KV':>9} "
-              f"{'peak RSS':>8} {'holds':>5}")
+              f"{'draft W':>8} {'draft KV':>8} {'peak RSS':>8} {'holds':>5}")
         for batch in batches:
             texts = prompts(category, max(args.requests_per_slot * batch, args.min_requests),
                             cut)
@@ -237,6 +244,8 @@ def main() -> None:
                       f"{cell['itl_p99_ms']:8.1f} "
                       f"{'-' if acc is None else f'{acc:.2f}':>6} "
                       f"{cell['target_kv_bytes'] / 2**20:8.1f}M "
+                      f"{cell['draft_weight_bytes'] / 2**20:7.1f}M "
+                      f"{cell['draft_kv_bytes'] / 2**20:7.1f}M "
                       f"{cell['peak_rss_bytes'] / 2**30:7.2f}G "
                       f"{'-' if cell['guard_holds'] is None else cell['guard_holds']:>5}",
                       flush=True)
