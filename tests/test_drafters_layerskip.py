@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdecode.drafters import layerskip
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Rounds
 from specdecode.drafters.layerskip import (
     Calibration,
     LayerSkipDrafter,
@@ -58,9 +58,11 @@ def test_greedy_output_is_plain_decodings_for_every_k(smollm: LoadedModel) -> No
     assert factory is not None
     for k in range(1, 9):
         max_tokens = 32 if k == 3 else 8
-        gen = generate(smollm, prompt, max_tokens, factory(), k)
+        drafter = factory()
+        gen = generate(smollm, prompt, max_tokens, drafter, k)
         assert gen.output == plain[:max_tokens], f"k={k}"
         assert gen.counters.accepted > 0, f"k={k}: 27 of 30 blocks agree often with all 30"
+        assert drafter.cache is None  # type: ignore[attr-defined]  # it drafted in the target's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,15 +78,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 class SharpenedQ(LayerSkipDrafter):
     """BROKEN: samples from q but reports q^2 renormalised (q at half the temperature)."""
 
-    def propose(
+    def rounds(
         self,
         context: torch.Tensor,
         k: int,
         params: SamplingParams,
         prompt_len: int,
         generator: torch.Generator | None,
-    ) -> Draft:
-        draft = super().propose(context, k, params, prompt_len, generator)
+    ) -> Rounds:  # drafting in the target's cache (the engine) or in its own (propose)
+        draft = yield from super().rounds(context, k, params, prompt_len, generator)
         assert draft.q is not None
         return Draft(draft.tokens, draft.q**2 / (draft.q**2).sum(dim=-1, keepdim=True))
 

@@ -3,17 +3,16 @@
 The draft is the target's own forward pass with `layers=` (the native runner runs only those
 blocks, then the final norm and LM head), so it needs no extra weights. It reuses
 `DraftModelDrafter` through `LayerSubset`, a thin wrapper whose forward passes `layers=`: each
-draft token is drawn from q computed by the same sampling pipeline as the target's p, and the
-draft keeps a SEPARATE KV cache of the same model (allocated for every block, written only for
-the kept ones), re-synced with the committed context by longest common prefix.
+draft token is drawn from q computed by the same sampling pipeline as the target's p.
 
-The separate cache is the simplest correct design through the Drafter protocol, which does not
-hand the drafter the target's cache. It costs a second prefill of the prompt through the kept
-blocks (at the first proposal) and re-feeding the committed tokens every step. A shared-cache
-version (as in Draft & Verify, SWIFT, LayerSkip) would let the draft read the target's keys and
-values of the committed tokens at its kept blocks and write its own past the committed length,
-where the target's scoring pass overwrites them; that needs the engine to lend the drafter its
-cache.
+It drafts in the target's own KV cache (drafters.base.CacheDrafter, engine.draft_in_cache), as
+Draft & Verify, SWIFT and LayerSkip do: at its kept blocks the draft reads the target's keys and
+values of the committed tokens (computed by the full model: a closer draft, if anything, and
+lossless either way, since its tokens are verified against q) and writes its own past the
+committed length, where the target's verification overwrites them. So it holds no cache of its
+own, prefills nothing, feeds only the pending token and its draft tokens, and a batch's rows
+draft together. Called directly (`propose`, outside an engine) it drafts in a cache of its own,
+a second prefill of the prompt through the kept blocks.
 
 Which blocks to keep is measured, not guessed (as Draft & Verify and SWIFT do): `calibrate_layers`
 teacher-forces a short calibration text through the model and greedily drops, one at a time, the
@@ -91,6 +90,10 @@ class LayerSubset:
     def new_cache(self, batch: int, capacity: int) -> Any:
         return self.model.new_cache(batch, capacity)
 
+    @property
+    def rows_independent(self) -> bool:
+        return bool(getattr(self.model, "rows_independent", False))
+
     def __call__(self, tokens: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
         return self.model(tokens, cache, layers=self.layers, **kwargs)
 
@@ -100,7 +103,7 @@ class LayerSkipDrafter(DraftModelDrafter):
 
     def __init__(self, model: Any, layers: Sequence[int], capacity: int = 4096) -> None:
         check_layers(model, layers)
-        super().__init__(LayerSubset(model, layers), "layerskip", capacity)
+        super().__init__(LayerSubset(model, layers), "layerskip", capacity, in_cache=True)
 
 
 def check_native(model: Any) -> None:
