@@ -72,11 +72,12 @@ Rounds = Generator[int, torch.Tensor, "Draft"]  # a CacheDrafter's proposal (see
 
 class CacheDrafter(Protocol):
     """Optional: a drafter whose model has the target's cache layout (a quantized copy of the
-    target) and drafts in the target's own KV cache. The target's cache holds the keys and values
-    of every committed token but the pending one; the draft model feeds the pending token and its
-    own draft tokens at the slots after them, attending over the target's KV of the context (so
-    it holds no cache, prefills nothing and never catches up), and the engine then moves the
-    row's length back: the target's verification overwrites those slots with its own keys and
+    target, or a subset of the target's blocks) and drafts in the target's own KV cache. That
+    cache holds the keys and values of every committed token but the pending one; the draft
+    model feeds the pending token and its own draft tokens at the slots after them, attending
+    over the target's KV of the context (so it holds no cache, prefills nothing and never
+    catches up), while the row's length stays where it was (the rounds run on a copy of the
+    lengths): the target's verification then overwrites those slots with its own keys and
     values. Because every row's draft lives in one cache, the engine drafts a whole batch's rows
     in one forward of `cache_model` per draft position (engine.draft_in_cache).
 

@@ -42,7 +42,9 @@ def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
 
 
 class DraftModelDrafter:
-    """Drafts with `model` in its own KV cache, which grows with the request up to `capacity`."""
+    """Drafts with `model` in its own KV cache, which grows with the request up to `capacity`,
+    or, with `in_cache` (a model of the target's cache layout) and run by an engine, in the
+    target's."""
 
     def __init__(self, model: Any, name: str = "draft-model", capacity: int = 4096,
                  in_cache: bool = False) -> None:
