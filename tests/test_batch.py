@@ -530,3 +530,36 @@ def test_the_draft_cost_is_kept_per_batch_size() -> None:
     one_cost = Controller(kmax=4, costs=CostModel(target_s=dict(table),
                                                   draft_token_s=costs.draft_token_s))
     assert max(one_cost.choose(alphas)) == 0
+
+
+def test_hybrids_in_a_batch_draft_their_model_rows_together(smollm: LoadedModel) -> None:
+    """ngram+w4a16 at batch 4: each step the rows whose lookup has nothing worth verifying draft
+    through the 4-bit copy together (at most k forwards of it, each over at most the 4 rows),
+    the others by lookup; outputs are the target's."""
+    tok = smollm.tokenizer
+    texts = ["Repeat exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa.",
+             *PROMPTS[1:4]]
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    params = SamplingParams(max_tokens=16)
+    factory = drafter_factory("ngram+w4a16", smollm.model)
+    assert factory is not None
+    gens = [Generation(smollm.model, None, x, params, factory(), 3, tok.eos_ids) for x in ids]
+    copy_model = gens[0].drafter.cache_model  # type: ignore[union-attr]
+    assert copy_model is not None
+    calls: list[tuple[int, ...]] = []
+    forward = copy_model.forward
+    copy_model.forward = lambda t, *a, **kw: calls.append(tuple(t.shape)) or forward(t, *a, **kw)
+    engine = BatchEngine(smollm.model, 4, 160)
+    for gen in gens:
+        engine.submit(gen)
+    shared = 0
+    while engine.busy:
+        before = len(calls)
+        engine.step()
+        assert len(calls) - before <= 3 and all(c[1] == 1 and c[0] <= 4 for c in calls[before:])
+        shared += any(c[0] > 1 for c in calls[before:])
+    copy_model.forward = forward
+    used = [sum(g.drafter.used[i] for g in gens) for i in (0, 1)]  # type: ignore[union-attr]
+    assert shared > 0 and min(used) > 0, used
+    for gen, x in zip(gens, ids, strict=True):
+        assert gen.output == _solo(smollm, x, params)
