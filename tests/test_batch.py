@@ -563,3 +563,39 @@ def test_hybrids_in_a_batch_draft_their_model_rows_together(smollm: LoadedModel)
     assert shared > 0 and min(used) > 0, used
     for gen, x in zip(gens, ids, strict=True):
         assert gen.output == _solo(smollm, x, params)
+
+
+def _first_chosen_step(ctl: Controller, steps: int) -> int | None:
+    """Step at which the controller first speculates by choice (not as a probe), when every
+    drafted token is accepted and the requests' estimates start at 0.6, moving slowly."""
+    rows = [AlphaEstimate(0.6, prior_count=8.0) for _ in range(2)]
+    for step in range(steps):
+        ks = ctl.choose(rows)
+        if any(ks) and not ctl._probed:
+            return step
+        for a, k in zip(rows, ks, strict=True):
+            if k:
+                a.observe([1.0] * k)
+                ctl.observe("c", [1.0] * k)
+    return None
+
+
+def test_probes_accepted_above_the_estimates_do_not_back_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe after which speculation stays off doubles the probe interval, unless its drafts
+    were accepted well above the requests' estimates: those are still learning, and backing off
+    would starve them of samples. Here k=1 pays from an estimate of 0.8; the estimates start at
+    0.6 and every probed token is accepted: speculation comes on after a few probes at a steady
+    interval (by step 40). With the interval doubling after every probe, it took 252 steps."""
+    def make() -> Controller:
+        costs = CostModel(target_s={(2, w): 0.05 * (1 + 0.1 * (w - 1)) for w in range(1, 5)},
+                          draft_token_s=0.015)
+        ctl = Controller(kmax=2, costs=costs, probe_every=4)
+        ctl.guard = None
+        return ctl
+
+    on = _first_chosen_step(make(), 300)
+    assert on is not None and on < 40, on
+    monkeypatch.setattr(Controller, "_still_learning", lambda self, alphas: False)
+    backing_off = _first_chosen_step(make(), 300)
+    assert backing_off is None or backing_off > 200, backing_off

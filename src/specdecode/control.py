@@ -24,8 +24,10 @@ request whose speculation is off drafts one token every `probe_every` steps (all
 the same step, so a probe widens one batch step, not many) so its alpha keeps being measured and
 speculation comes back when it pays again. Probes cost something (a wider step, and a draft
 model catching up with the tokens committed meanwhile), so they back off: each probe after
-which speculation stays off doubles the interval (up to `max_probe_every`), and none is made
-while even a draft accepted with probability `PROBE_ALPHA` could not pay at this batch size.
+which speculation stays off doubles the interval (up to `max_probe_every`), unless its drafts
+were accepted well above the requests' estimates (they are still learning: the interval stays),
+and none is made while even a draft accepted with probability `PROBE_ALPHA` could not pay at
+this batch size.
 The drafting cost counts draft steps only: a draft model's catching up with the context (its
 prompt, or the tokens committed while it was off) is a one-off cost of turning speculation on,
 not a cost per token, and is left out of `draft_token_s`.
@@ -48,6 +50,7 @@ DEFAULT_PRIOR = 0.6
 PAY_MARGIN = 0.05
 PRIOR_SLOPE = 0.1  # past the widest measured width: each more position costs this x t(B, 1)
 PROBE_ALPHA = 0.95  # the acceptance a probe hopes to find; if even it cannot pay, no probe
+LEARNING_GAP = 0.1  # a probe accepted this much above the estimates: they are still learning
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -258,6 +261,7 @@ class Controller:
     _interval: int = 0  # current probe interval (backs off from probe_every)
     _since_probe: int = 0
     _probed: bool = False  # the last step was a probe
+    _probe_samples: list[float] = field(default_factory=list)  # what the last probe saw
 
     categories: dict[str, AlphaEstimate] = field(default_factory=dict)
     category_weight: float = 0.02
@@ -305,6 +309,8 @@ class Controller:
         """A request's verified alpha samples, pooled into its category's running estimate."""
         if not samples:
             return
+        if self._probed:
+            self._probe_samples.extend(samples)
         key = category or ""
         if key not in self.categories:
             self.categories[key] = AlphaEstimate(self.priors.get(key, DEFAULT_PRIOR),
@@ -319,17 +325,18 @@ class Controller:
         if batch == 0 or self.kmax == 0:
             return [0] * batch
         if not self.allows(batch):  # the guard holds speculation off, or wants a plain step
-            self._probed = False
+            self._probed, self._probe_samples = False, []
             return [0] * batch
         if draft_s is None:  # nothing measured yet: draft once to learn the drafting cost
             return [1] * batch
         best = self._best([a.value for a in alphas], draft_s)
         self._interval = self._interval or self.probe_every
-        if self._probed and not any(best):  # the last probe did not turn speculation on
+        if self._probed and not any(best) and not self._still_learning(alphas):
+            # the last probe did not turn speculation on, and not for want of samples
             self._interval = min(2 * self._interval, self.max_probe_every)
-        elif any(best):
+        elif any(best) or self._probed:
             self._interval = self.probe_every
-        self._probed = False
+        self._probed, self._probe_samples = False, []
         if all(best):
             return best
         self._since_probe += 1
@@ -338,6 +345,17 @@ class Controller:
             self._since_probe, self._probed = 0, True  # all requests that are off probe
             return [max(k, 1) for k in best]  # together, so a probe widens one step, not many
         return best
+
+    def _still_learning(self, alphas: list[AlphaEstimate]) -> bool:
+        """The last probe's drafts were accepted more often (by LEARNING_GAP) than the requests'
+        estimates say: speculation stayed off because the estimates have not caught up with the
+        traffic yet (they start at a prior and move a little per sample), not because what the
+        probe found cannot pay. Backing off then would starve the estimates of samples (a
+        4-bit copy accepted 98% of the time at batch 2 was estimated at 0.73 for ~120 steps)."""
+        if not self._probe_samples:
+            return False
+        seen = sum(self._probe_samples) / len(self._probe_samples)
+        return seen > sum(a.value for a in alphas) / len(alphas) + LEARNING_GAP
 
     def _best(self, alphas: list[float], draft_s: float) -> list[int]:
         """The k per request maximising the batch's expected tokens per second."""
