@@ -599,3 +599,29 @@ def test_probes_accepted_above_the_estimates_do_not_back_off(
     monkeypatch.setattr(Controller, "_still_learning", lambda self, alphas: False)
     backing_off = _first_chosen_step(make(), 300)
     assert backing_off is None or backing_off > 200, backing_off
+
+
+def test_a_queued_request_starts_from_its_categorys_alpha_when_it_starts_decoding(
+        smollm: LoadedModel) -> None:
+    """Requests submitted together but decoding one after another (one row) take their starting
+    alpha from their category's estimate when they start, after what the earlier ones taught
+    it, not the value it had when they were queued (the prior, here)."""
+    tok = smollm.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}]))
+    factory = drafter_factory("int8", smollm.model)
+    assert factory is not None
+    costs = CostModel(target_s={(1, w): 0.05 for w in range(1, 10)}, draft_token_s=0.001)
+    ctl = Controller(kmax=3, costs=costs)
+    ctl.guard = None
+    engine = BatchEngine(smollm.model, 1, 160, controller=ctl)
+    gens = [Generation(smollm.model, None, ids, SamplingParams(max_tokens=12), factory(), 3,
+                       tok.eos_ids, category="c") for _ in range(2)]
+    seeds: list[float] = []
+    new_estimate = ctl.new_estimate
+    ctl.new_estimate = lambda c=None: seeds.append(new_estimate(c).value) or new_estimate(c)
+    for gen in gens:
+        engine.submit(gen)
+    while engine.busy:
+        engine.step()
+    assert ctl.categories["c"].value > 0.7  # the int8 copy is accepted ~all the time here
+    assert seeds[0] == pytest.approx(0.6) and seeds[1] > 0.7, seeds

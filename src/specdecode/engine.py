@@ -303,8 +303,6 @@ class BatchEngine:
                 f"max_tokens {gen.params.max_tokens} + draft room) but each row of this engine "
                 f"holds {self.max_seq_len}"
             )
-        if self.controller is not None:
-            self.alphas[id(gen)] = self.controller.new_estimate(gen.category)
         self.waiting.append(gen)
 
     @property
@@ -388,6 +386,9 @@ class BatchEngine:
         self.cache.lengths[row] = n
         gen.cache, gen.row = self.cache, row
         self.active.append(gen)
+        if self.controller is not None:  # seeded now, not when queued: the category's
+            # estimate has learned from every step run while this request waited
+            self.alphas[id(gen)] = self.controller.new_estimate(gen.category)
 
     def _leave(self, gen: Generation) -> None:
         """Free gen's row, moving the last active row into it to keep rows 0..n-1 dense."""
