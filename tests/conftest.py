@@ -76,3 +76,17 @@ def make_checkpoint(
     model.save_pretrained(str(folder), safe_serialization=True)
     write_tiny_tokenizer(folder, config.vocab_size)
     return folder
+
+
+def record_feeds(model: Any) -> list[tuple[int, ...]]:
+    """Record the token shapes `model` is called with, patched on the instance (`del
+    model.forward` restores the class's)."""
+    seen: list[tuple[int, ...]] = []
+    forward = model.forward
+
+    def recording(tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(tuple(tokens.shape))
+        return forward(tokens, *args, **kwargs)
+
+    model.forward = recording
+    return seen

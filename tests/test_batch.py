@@ -19,6 +19,7 @@ from specdecode.engine import BatchEngine, Generation, fit_width, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
+from tests.conftest import record_feeds
 from tests.test_engine_sampled import (
     FALSE_ALARM,
     PARAMS,
@@ -65,9 +66,7 @@ def test_batch_of_8_greedy_with_ragged_k_is_token_identical(smollm: LoadedModel,
             for i, x in enumerate(ids)]
     copy_model = gens[0].drafter.cache_model  # type: ignore[union-attr]
     assert copy_model is not None
-    calls: list[tuple[int, ...]] = []
-    forward = copy_model.forward
-    copy_model.forward = lambda t, *a, **kw: calls.append(tuple(t.shape)) or forward(t, *a, **kw)
+    calls = record_feeds(copy_model)
     for gen in gens:
         engine.submit(gen)
     full_steps = 0
@@ -82,7 +81,7 @@ def test_batch_of_8_greedy_with_ragged_k_is_token_identical(smollm: LoadedModel,
             else:
                 assert calls[before:] == [(1, 1)] * sum(widths)
     assert full_steps > 0
-    copy_model.forward = forward
+    del copy_model.forward
     alone = [Generation(smollm.model, None, x, params, factory(), 1 + i % 4, tok.eos_ids)
              for i, x in enumerate(ids)]
     for gen, solo, x in zip(gens, alone, ids, strict=True):
@@ -546,9 +545,7 @@ def test_hybrids_in_a_batch_draft_their_model_rows_together(smollm: LoadedModel)
     gens = [Generation(smollm.model, None, x, params, factory(), 3, tok.eos_ids) for x in ids]
     copy_model = gens[0].drafter.cache_model  # type: ignore[union-attr]
     assert copy_model is not None
-    calls: list[tuple[int, ...]] = []
-    forward = copy_model.forward
-    copy_model.forward = lambda t, *a, **kw: calls.append(tuple(t.shape)) or forward(t, *a, **kw)
+    calls = record_feeds(copy_model)
     engine = BatchEngine(smollm.model, 4, 160)
     for gen in gens:
         engine.submit(gen)
@@ -558,7 +555,7 @@ def test_hybrids_in_a_batch_draft_their_model_rows_together(smollm: LoadedModel)
         engine.step()
         assert len(calls) - before <= 3 and all(c[1] == 1 and c[0] <= 4 for c in calls[before:])
         shared += any(c[0] > 1 for c in calls[before:])
-    copy_model.forward = forward
+    del copy_model.forward
     used = [sum(g.drafter.used[i] for g in gens) for i in (0, 1)]  # type: ignore[union-attr]
     assert shared > 0 and min(used) > 0, used
     for gen, x in zip(gens, ids, strict=True):

@@ -11,6 +11,7 @@ from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import Generation
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
+from tests.conftest import record_feeds
 from tests.drafters_scripted import ScriptedDrafter
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -104,19 +105,6 @@ def test_wrong_drafter_is_caught_by_the_identity_check(
     assert gen.output == expected and broken.output != expected
 
 
-def _feeds(model: Any) -> list[tuple[int, ...]]:
-    """Record the token shapes `model` is called with (patched on the instance)."""
-    seen: list[tuple[int, ...]] = []
-    forward = model.forward
-
-    def recording(tokens: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(tuple(tokens.shape))
-        return forward(tokens, *args, **kwargs)
-
-    model.forward = recording
-    return seen
-
-
 def test_quantized_copy_drafts_in_the_targets_cache(
     smollm: LoadedModel, plain: tuple[list[int], list[int]]
 ) -> None:
@@ -133,7 +121,7 @@ def test_quantized_copy_drafts_in_the_targets_cache(
     assert isinstance(in_cache, DraftModelDrafter) and in_cache.cache_model is in_cache.model
     own = DraftModelDrafter(copy.deepcopy(in_cache.model), "w4a16")
     for drafter, shared in ((in_cache, True), (own, False)):
-        seen = _feeds(drafter.model)
+        seen = record_feeds(drafter.model)
         gen = Generation(smollm.model, smollm.tokenizer, ids, SamplingParams(max_tokens=TOKENS),
                          drafter, 3, smollm.tokenizer.eos_ids)
         gen.prefill()

@@ -67,7 +67,7 @@ def wants_hidden(drafter: object) -> bool:
     return callable(getattr(drafter, "observe", None))
 
 
-Rounds = Generator[int, torch.Tensor, "Draft"]  # a CacheDrafter's proposal (see below)
+Rounds = Generator[int, torch.Tensor, Draft]  # a CacheDrafter's proposal (see below)
 
 
 class CacheDrafter(Protocol):
