@@ -232,6 +232,25 @@ def test_new_requests_start_from_their_categorys_running_alpha() -> None:
     assert ctl.new_estimate("other").value == pytest.approx(0.6)
 
 
+def test_a_start_from_a_well_seen_category_is_not_undone_by_one_rejection() -> None:
+    """A fresh request seeded from a category that has seen 100 accepted tokens keeps
+    speculating after its first draft token is rejected (k=1 pays from ~0.7 here), and still
+    turns off after a run of rejections. Weighted as 2 samples, the seed fell from 0.97 to 0.65
+    on that one rejection, and speculation went off."""
+    costs = CostModel(target_s={(1, w): 0.05 * (1 + 0.25 * (w - 1)) for w in range(1, 5)},
+                      draft_token_s=0.02)
+    ctl = Controller(kmax=3, costs=costs)
+    ctl.guard = None
+    for _ in range(100):
+        ctl.observe("c", [1.0])
+    alpha = ctl.new_estimate("c")
+    assert alpha.value > 0.95
+    alpha.observe([0.0])
+    assert alpha.value > 0.85 and ctl.choose([alpha]) != [0], alpha.value
+    alpha.observe([0.0] * 4)
+    assert ctl.choose([alpha]) == [0], alpha.value
+
+
 def test_batch_engine_with_controller_stays_lossless(smollm: LoadedModel) -> None:
     tok = smollm.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
