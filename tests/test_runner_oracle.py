@@ -101,3 +101,28 @@ def test_gemv_copy_serves_one_row_only_and_is_counted(tmp_path: Path) -> None:
         layer.weight_t.zero_()  # broken variant: a stale copy
         assert not torch.allclose(layer(x), want1, atol=1e-5)
         assert torch.allclose(layer(wide), want4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9])
+def test_every_row_count_gives_each_rows_own_product(tmp_path: Path, rows: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear picks a layout (and for 3 rows a padded product) by the row count; every choice
+    returns, for each row, F.linear of that row, whatever the other rows hold, and 3 rows do run
+    as a 4-row product (models.llama.PADDED_ROWS)."""
+    folder = make_checkpoint(tmp_path / "m")
+    model = load_native(folder, config_from_hf(read_hf_config(folder)))
+    layer = model.layers[0].gate_up
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, layer.in_features, generator=g)
+    other = x.clone()
+    other[1:] = torch.randn(rows - 1, layer.in_features, generator=g)
+    shapes: list[tuple[int, ...]] = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: shapes.append(tuple(b.shape)) or mm(a, b))
+    with torch.inference_mode():
+        got, got_other = layer(x), layer(other)
+    assert got.shape == (rows, layer.out_features)
+    assert torch.allclose(got, F.linear(x, layer.weight), atol=1e-5)
+    assert torch.allclose(got[0], got_other[0], atol=1e-6)  # row 0 alone decides row 0
+    if rows == 3:
+        assert shapes and all(s == (layer.in_features, 4) for s in shapes), shapes
