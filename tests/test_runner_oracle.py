@@ -103,12 +103,12 @@ def test_gemv_copy_serves_one_row_only_and_is_counted(tmp_path: Path) -> None:
         assert torch.allclose(layer(wide), want4, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, 12, 40, 200])
 def test_every_row_count_gives_each_rows_own_product(tmp_path: Path, rows: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Linear picks a layout (and for 3 rows a padded product) by the row count; every choice
-    returns, for each row, F.linear of that row, whatever the other rows hold, and 3 rows do run
-    as a 4-row product (models.llama.PADDED_ROWS)."""
+    """Linear picks a layout (and for some row counts a product padded with zero rows) by the
+    row count; every choice returns, for each row, F.linear of that row, whatever the other
+    rows hold, and padded counts do run padded (models.llama.PADDED_ROWS: 3 as 4, 12 as 16)."""
     folder = make_checkpoint(tmp_path / "m")
     model = load_native(folder, config_from_hf(read_hf_config(folder)))
     layer = model.layers[0].gate_up
@@ -124,5 +124,6 @@ def test_every_row_count_gives_each_rows_own_product(tmp_path: Path, rows: int,
     assert got.shape == (rows, layer.out_features)
     assert torch.allclose(got, F.linear(x, layer.weight), atol=1e-5)
     assert torch.allclose(got[0], got_other[0], atol=1e-6)  # row 0 alone decides row 0
-    if rows == 3:
-        assert shapes and all(s == (layer.in_features, 4) for s in shapes), shapes
+    padded = {3: 4, 12: 16}.get(rows)
+    if padded is not None:
+        assert shapes and all(s == (layer.in_features, padded) for s in shapes), shapes

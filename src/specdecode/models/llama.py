@@ -55,23 +55,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + swapped * sin_signed
 
 
-TALL_ROWS = frozenset((*range(2, 9), 16))  # row counts that Linear computes as (W @ x^T)^T
-# row counts that Linear computes padded with zero rows to a count MKL runs faster (AVX2, 2
-# threads: SmolLM2's products over 3 rows took 50 ms a forward, over 4 rows 45 ms; a whole
-# forward scoring 3 positions 84 ms, 68 ms padded, about what 4 positions cost)
-PADDED_ROWS = {3: 4}
+TALL_ROWS = range(2, 129)  # row counts that Linear computes as (W @ x^T)^T
+# row counts that Linear computes padded with zero rows to a count MKL's kernels run faster
+PADDED_ROWS = {3: 4, 7: 8, **{r: 16 for r in range(10, 16)}}
 
 
 class Linear(nn.Linear):
     """nn.Linear on fp32 weights, choosing MKL's faster orientation by the number of rows.
 
-    Measured on AVX2 (2 cores, SmolLM2-135M, whole forward passes): for 2-8 and 16 rows, sgemm
-    computing y^T = W x^T is 1.1-1.7x faster with 2 threads than y = x W^T (and no slower with
-    one); with 9-15 rows it is no faster, and up to 1.4x slower with one thread. The weight
-    stays in the Hugging Face (out, in) layout. Three rows run padded to four (PADDED_ROWS):
-    MKL's kernels for four are faster than for three, so verifying two draft tokens (3
-    positions) no longer costs more than verifying three. Padding adds rows to the product;
-    each row's result is still computed from that row alone.
+    Measured on AVX2 (2 cores, SmolLM2-135M's 121 matrices): for 2-128 rows, sgemm computing
+    y^T = W x^T is faster than y = x W^T with 2 threads (1.1-2.5x; 1.05-1.1x at 32-128 rows)
+    and no slower with one; larger calls (prefill) run as nn.Linear. The weight stays in the
+    Hugging Face (out, in) layout. MKL's kernels for some row counts are faster than for fewer
+    rows, so 3 rows run padded with zero rows to 4, 7 to 8 and 10-15 to 16 (PADDED_ROWS):
+    3 rows took 50 ms over the 121 matrices and 4 rows 45; 7 rows 96 and 8 rows 81; 10-14 rows
+    110-138 and 16 rows 99. Each row's result is still computed from that row alone. Whole
+    forwards at 400 tokens of context, 2 threads, against the previous rule (tall 2-8 and 16
+    rows, 3 padded, else nn.Linear): 10 rows 0.78x the time, 12 rows 0.76x, 24 rows 0.83x,
+    32 rows 0.89-0.91x, 7 rows 0.92x, others within noise; with one thread 0.89-1.00x.
 
     One row (a GEMV, every plain decoding step) streams the whole weight from memory once. With
     a second copy of the weight in the (in, out) layout (`weight_t`, made by
