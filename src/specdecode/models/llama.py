@@ -64,8 +64,9 @@ class Linear(nn.Linear):
     """nn.Linear on fp32 weights, choosing MKL's faster orientation by the number of rows.
 
     Measured on AVX2 (2 cores, SmolLM2-135M's 121 matrices): for 2-128 rows, sgemm computing
-    y^T = W x^T is faster than y = x W^T with 2 threads (1.1-2.5x; 1.05-1.1x at 32-128 rows)
-    and no slower with one; larger calls (prefill) run as nn.Linear. The weight stays in the
+    y^T = W x^T is faster than y = x W^T with 2 threads (1.1-2.5x up to 16 rows, 1.0-1.1x at
+    32-128; whole forwards no slower with one thread); from 256 rows x W^T is faster (0.94x at
+    256, 0.80x at 512), so larger calls (prefill) run as nn.Linear. The weight stays in the
     Hugging Face (out, in) layout. MKL's kernels for some row counts are faster than for fewer
     rows, so 3 rows run padded with zero rows to 4, 7 to 8 and 10-15 to 16 (PADDED_ROWS):
     3 rows took 50 ms over the 121 matrices and 4 rows 45; 7 rows 96 and 8 rows 81; 10-14 rows
