@@ -637,7 +637,13 @@ def test_a_queued_request_starts_from_its_categorys_alpha_when_it_starts_decodin
                        tok.eos_ids, category="c") for _ in range(2)]
     seeds: list[float] = []
     new_estimate = ctl.new_estimate
-    ctl.new_estimate = lambda c=None: seeds.append(new_estimate(c).value) or new_estimate(c)
+
+    def recording(category: str | None = None) -> AlphaEstimate:
+        estimate = new_estimate(category)
+        seeds.append(estimate.value)
+        return estimate
+
+    ctl.new_estimate = recording  # type: ignore[method-assign]
     for gen in gens:
         engine.submit(gen)
     while engine.busy:

@@ -312,7 +312,8 @@ class Controller:
         pays at batch 1, and the request decoded plain until probes brought it back."""
         seen = self.categories.get(category or "")
         if seen is not None:
-            return AlphaEstimate(seen.value, prior_count=min(SEEDED_COUNT, 2.0 + seen.count))
+            weight = min(SEEDED_COUNT, AlphaEstimate.prior_count + seen.count)
+            return AlphaEstimate(seen.value, prior_count=weight)
         return AlphaEstimate(self.priors.get(category or "", DEFAULT_PRIOR))
 
     def observe(self, category: str | None, samples: list[float]) -> None:

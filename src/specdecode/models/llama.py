@@ -101,9 +101,11 @@ class Linear(nn.Linear):
         if rows not in TALL_ROWS:
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, -1)
-        if rows in PADDED_ROWS:
-            x2 = F.pad(x2, (0, 0, 0, PADDED_ROWS[rows] - rows))
-        y = torch.mm(self.weight, x2.t()).t()[:rows]  # (rows, out), transposed layout
+        padded = PADDED_ROWS.get(rows)
+        if padded is None:
+            y = torch.mm(self.weight, x2.t()).t()  # (rows, out), transposed layout
+        else:
+            y = torch.mm(self.weight, F.pad(x2, (0, 0, 0, padded - rows)).t()).t()[:rows]
         y = y.contiguous() if self.bias is None else y + self.bias
         return y.view(*x.shape[:-1], -1)
 
