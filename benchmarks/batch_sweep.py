@@ -254,24 +254,43 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"hardware": hw, "results": results}, indent=2))
 
 
+def noise_band(aa: dict[str, Any] | None) -> tuple[float, float]:
+    """The ratios a median over rounds takes by chance in this run: plain against itself
+    (plain-aa) missed 1.0 by |1 - r|, so a median within [min(r, 1/r), max(r, 1/r)] is
+    indistinguishable from plain. Without an A/A cell, no band: (1.0, 1.0)."""
+    if aa is None:
+        return 1.0, 1.0
+    r = aa["ratio"]
+    return min(r, 1 / r), max(r, 1 / r)
+
+
 def summarize(name: str, cells: list[dict[str, Any]], batches: list[int]) -> None:
-    """Where the best fixed k stops beating plain; auto against plain and the best fixed k."""
+    """Where the best fixed k stops beating plain (beyond the A/A noise, where measured); auto
+    against plain and the best fixed k."""
     def at(b: int) -> list[dict[str, Any]]:
         return [r for r in cells if r["batch"] == b]
 
+    def aa_at(b: int) -> dict[str, Any] | None:
+        return next((r for r in at(b) if r["config"] == "plain-aa"), None)
+
     fixed = [b for b in batches if any(r["config"].startswith("k=") for r in at(b))]
-    stop = next((b for b in fixed if max(r["ratio"] for r in at(b)
-                                         if r["config"].startswith("k=")) < 1.0), None)
+    best_k = {b: max(r["ratio"] for r in at(b) if r["config"].startswith("k=")) for b in fixed}
+    stop = next((b for b in fixed if best_k[b] < noise_band(aa_at(b))[0]), None)
+    even = [b for b in fixed if noise_band(aa_at(b))[0] <= best_k[b] <= noise_band(aa_at(b))[1]
+            and noise_band(aa_at(b)) != (1.0, 1.0)]
     if fixed:
         print(f"speculation (best fixed k) stops paying at batch {stop} for {name}"
               if stop else f"speculation pays at every batch size measured for {name}")
+        if even:
+            print(f"  break-even (the best fixed k within plain-aa's noise) at batch "
+                  f"{', '.join(map(str, even))}")
     for b in batches:
         auto = next((r for r in at(b) if r["config"] == "auto"), None)
         if auto is None:
             continue
         best = max((r for r in at(b) if not r["config"].startswith(("auto", "plain-aa"))),
                    key=lambda r: r["ratio"])
-        aa = next((r for r in at(b) if r["config"] == "plain-aa"), None)
+        aa = aa_at(b)
         noise = "" if aa is None else (f"; plain against itself {aa['ratio']:.2f}x "
                                        f"({aa['ratio_min']:.2f}-{aa['ratio_max']:.2f})")
         print(f"  batch {b:2d}: auto {auto['ratio']:.2f}x plain; best fixed {best['config']} "

@@ -81,9 +81,6 @@ def drafter_factory(
     refused if made for another target). ngram+X: prompt lookup where it expects to pay, else
     drafter X (drafters.hybrid).
     """
-    from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
-    from specdecode.models.precision import apply_precision, quantize_int8
-
     part = model_part(name)
     if part is not None and name in DRAFTERS:  # lookup first, then a model drafter
         from specdecode.drafters.hybrid import HybridDrafter
@@ -95,64 +92,21 @@ def drafter_factory(
             raise SpecDecodeError(f"--drafter {name} needs a drafter after 'ngram+'")
         make_lookup, make_model = lookup, model
         return lambda: HybridDrafter(make_lookup(), make_model(), name)
-
     if name == "none":
         return None
     check_batch_invariant(getattr(target, "precision", "fp32"))
     if name == "ngram":
-        from specdecode.drafters.ngram import NgramDrafter, RegimeStats
-
-        NgramDrafter(ngram_max, ngram_min)  # check the sizes now, not at the first request
-        stats = RegimeStats()  # acceptance by match length and sampling regime, learned across
-        # this factory's requests
-        return lambda: NgramDrafter(ngram_max, ngram_min, stats=stats)
+        return _ngram(ngram_max, ngram_min)
     if name == "layerskip":
-        from specdecode.drafters.layerskip import (
-            LayerSkipDrafter,
-            cached_calibration,
-            check_layers,
-            check_native,
-            default_budget,
-        )
-
-        check_native(target)
-        kept = tuple(layers) if layers is not None else cached_calibration(
-            target, tokenizer, default_budget(target)
-        ).layers
-        check_layers(target, kept)
-        return lambda: LayerSkipDrafter(target, kept, capacity)
+        return _layerskip(target, layers, tokenizer, capacity)
     if name == "heads":
-        from pathlib import Path
-
-        from specdecode.drafters.heads import HeadsDrafter, default_heads_dir, load_heads
-
-        if getattr(target, "backend", "") != "native":
-            raise SpecDecodeError("the heads drafter needs a target on the native runner")
-        model = load_heads(target, Path(heads).expanduser() if heads else default_heads_dir())
-        return lambda: HeadsDrafter(model, capacity)
+        return _heads(target, heads, capacity)
     if name == "distilled":
-        from pathlib import Path
-
-        from specdecode.drafters.distilled import DEFAULT_DIR, load_distilled
-
-        draft = load_distilled(Path(distilled).expanduser() if distilled else DEFAULT_DIR, target)
-        return lambda: DraftModelDrafter(draft, "distilled", capacity)
-    if name in ("int8", "w4a16"):  # a quantized copy of the target drafts for it
-        if getattr(target, "backend", "") != "native":
-            raise SpecDecodeError(f"the {name} drafter needs a target on the native runner")
-        if name == "int8":
-            weights = quantize_int8(copy.deepcopy(target))
-        else:  # a new model (4-bit blocks, bf16 ends); the target's norms shared, unchanged
-            weights = apply_precision(target, "w4a16")
-        return lambda: DraftModelDrafter(weights, name, capacity, in_cache=True)
+        return _distilled(target, distilled, capacity)
+    if name in ("int8", "w4a16"):
+        return _quantized_copy(name, target, capacity)
     if name == "draft-model":
-        if not draft_model:
-            raise SpecDecodeError("--drafter draft-model needs --draft-model PATH")
-        from specdecode.models.loading import load_model
-
-        draft = load_model(draft_model).model
-        check_vocab(target, draft, draft_model)
-        return lambda: DraftModelDrafter(draft, "draft-model", capacity)
+        return _draft_model(target, draft_model, capacity)
     if name == "xtok":
         if not draft_model:
             raise SpecDecodeError(
@@ -162,3 +116,77 @@ def drafter_factory(
 
         return xtok_factory(tokenizer, draft_model, capacity)
     raise SpecDecodeError(f"unknown drafter '{name}' (known: {', '.join(DRAFTERS)})")
+
+
+def _ngram(ngram_max: int, ngram_min: int) -> DrafterFactory:
+    from specdecode.drafters.ngram import NgramDrafter, RegimeStats
+
+    NgramDrafter(ngram_max, ngram_min)  # check the sizes now, not at the first request
+    stats = RegimeStats()  # acceptance by match length and sampling regime, learned across
+    # this factory's requests
+    return lambda: NgramDrafter(ngram_max, ngram_min, stats=stats)
+
+
+def _layerskip(target: Any, layers: Sequence[int] | None, tokenizer: Any | None,
+               capacity: int) -> DrafterFactory:
+    from specdecode.drafters.layerskip import (
+        LayerSkipDrafter,
+        cached_calibration,
+        check_layers,
+        check_native,
+        default_budget,
+    )
+
+    check_native(target)
+    kept = tuple(layers) if layers is not None else cached_calibration(
+        target, tokenizer, default_budget(target)
+    ).layers
+    check_layers(target, kept)
+    return lambda: LayerSkipDrafter(target, kept, capacity)
+
+
+def _heads(target: Any, heads: str | None, capacity: int) -> DrafterFactory:
+    from pathlib import Path
+
+    from specdecode.drafters.heads import HeadsDrafter, default_heads_dir, load_heads
+
+    if getattr(target, "backend", "") != "native":
+        raise SpecDecodeError("the heads drafter needs a target on the native runner")
+    model = load_heads(target, Path(heads).expanduser() if heads else default_heads_dir())
+    return lambda: HeadsDrafter(model, capacity)
+
+
+def _distilled(target: Any, distilled: str | None, capacity: int) -> DrafterFactory:
+    from pathlib import Path
+
+    from specdecode.drafters.distilled import DEFAULT_DIR, load_distilled
+    from specdecode.drafters.draft_model import DraftModelDrafter
+
+    draft = load_distilled(Path(distilled).expanduser() if distilled else DEFAULT_DIR, target)
+    return lambda: DraftModelDrafter(draft, "distilled", capacity)
+
+
+def _quantized_copy(name: str, target: Any, capacity: int) -> DrafterFactory:
+    """A quantized copy of the target (int8, or w4a16: 4-bit blocks, bf16 ends; the target's
+    norms shared, unchanged), drafting in the target's cache."""
+    from specdecode.drafters.draft_model import DraftModelDrafter
+    from specdecode.models.precision import apply_precision, quantize_int8
+
+    if getattr(target, "backend", "") != "native":
+        raise SpecDecodeError(f"the {name} drafter needs a target on the native runner")
+    if name == "int8":
+        weights = quantize_int8(copy.deepcopy(target))
+    else:
+        weights = apply_precision(target, "w4a16")
+    return lambda: DraftModelDrafter(weights, name, capacity, in_cache=True)
+
+
+def _draft_model(target: Any, draft_model: str | None, capacity: int) -> DrafterFactory:
+    from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
+    from specdecode.models.loading import load_model
+
+    if not draft_model:
+        raise SpecDecodeError("--drafter draft-model needs --draft-model PATH")
+    draft = load_model(draft_model).model
+    check_vocab(target, draft, draft_model)
+    return lambda: DraftModelDrafter(draft, "draft-model", capacity)
