@@ -275,9 +275,9 @@ def summarize(name: str, cells: list[dict[str, Any]], batches: list[int]) -> Non
 
     fixed = [b for b in batches if any(r["config"].startswith("k=") for r in at(b))]
     best_k = {b: max(r["ratio"] for r in at(b) if r["config"].startswith("k=")) for b in fixed}
-    stop = next((b for b in fixed if best_k[b] < noise_band(aa_at(b))[0]), None)
-    even = [b for b in fixed if noise_band(aa_at(b))[0] <= best_k[b] <= noise_band(aa_at(b))[1]
-            and noise_band(aa_at(b)) != (1.0, 1.0)]
+    band = {b: noise_band(aa_at(b)) for b in fixed}
+    stop = next((b for b in fixed if best_k[b] < band[b][0]), None)
+    even = [b for b in fixed if aa_at(b) is not None and band[b][0] <= best_k[b] <= band[b][1]]
     if fixed:
         print(f"speculation (best fixed k) stops paying at batch {stop} for {name}"
               if stop else f"speculation pays at every batch size measured for {name}")

@@ -207,9 +207,14 @@ def test_bad_layer_lists_are_refused(tiny: torch.nn.Module, layers: list[int]) -
         drafter_factory("layerskip", tiny, layers=layers)
 
 
-def test_a_target_off_the_native_runner_is_refused() -> None:
+@pytest.mark.parametrize("name", ["layerskip", "heads", "w4a16", "int8", "ngram+w4a16"])
+def test_a_target_off_the_native_runner_is_refused(name: str) -> None:
+    """Drafters that need the native runner's blocks, caches or features refuse another
+    backend with one message naming the drafter (drafters.base.require_native)."""
     class Adapter:
         backend = "transformers"
 
-    with pytest.raises(SpecDecodeError, match="native runner"):
-        drafter_factory("layerskip", Adapter(), layers=[0])
+    drafter = name.removeprefix("ngram+")
+    with pytest.raises(SpecDecodeError, match=f"the {drafter} drafter needs a target on the "
+                                              "native runner"):
+        drafter_factory(name, Adapter(), layers=[0])

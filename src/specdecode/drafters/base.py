@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
 
 EMPTY = torch.zeros(0, dtype=torch.long)  # no tokens (an empty draft, or no draft yet)
@@ -123,3 +124,10 @@ def draw(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor, pr
         return int(greedy_tokens(logits, params, history, prompt_len, EMPTY)[0]), None
     q = probs_from_logits(logits, params, history, prompt_len, EMPTY)[0]
     return int(sample(q, generator)), q
+
+
+def require_native(target: Any, drafter: str) -> None:
+    """Raise SpecDecodeError unless `target` runs on the native runner, which `drafter` needs
+    (its blocks, caches or features)."""
+    if getattr(target, "backend", "") != "native":
+        raise SpecDecodeError(f"the {drafter} drafter needs a target on the native runner")

@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from specdecode.drafters.base import require_native
 from specdecode.errors import SpecDecodeError
 
 FORMAT = "specdecode-distilled-draft"
@@ -96,11 +97,6 @@ def head_weight(target: Any) -> torch.Tensor:
     return float_weight(target.lm_head)[0].float()
 
 
-def check_native_target(target: Any) -> None:
-    if getattr(target, "backend", "") != "native":
-        raise SpecDecodeError("the distilled drafter needs a target on the native runner")
-
-
 def initial_weights(target: Any, layout: DraftLayout) -> dict[str, torch.Tensor]:
     """The draft's own weights before training: copies of the target's chosen blocks and norm."""
     if getattr(target, "precision", "fp32") != "fp32":
@@ -122,7 +118,7 @@ def build_draft(target: Any, layout: DraftLayout, vocab_ids: torch.Tensor | None
     it)."""
     from specdecode.models.llama import LlamaModel, rope_inv_freq
 
-    check_native_target(target)
+    require_native(target, "distilled")
     cfg = dataclasses.replace(target.cfg, num_layers=len(layout.layers_from))
     weights = own if own is not None else initial_weights(target, layout)
     with torch.device("meta"):
@@ -189,7 +185,7 @@ def load_distilled(folder: Path, target: Any) -> Any:
     from specdecode.train.checkpoint import check_target as check_trained_for
     from specdecode.train.checkpoint import read_card
 
-    check_native_target(target)
+    require_native(target, "distilled")
     raw = read_config(folder)
     check_trained_for(read_card(folder), target, folder)
     try:

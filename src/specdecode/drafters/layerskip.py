@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from specdecode.drafters.base import require_native
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import cache_root
@@ -106,15 +107,9 @@ class LayerSkipDrafter(DraftModelDrafter):
         super().__init__(LayerSubset(model, layers), "layerskip", capacity, in_cache=True)
 
 
-def check_native(model: Any) -> None:
-    """Raise SpecDecodeError unless `model` is on the native runner (which takes `layers=`)."""
-    if getattr(model, "backend", "") != "native":
-        raise SpecDecodeError("the layerskip drafter needs a target on the native runner")
-
-
 def check_layers(model: Any, layers: Sequence[int]) -> None:
     """Raise SpecDecodeError unless `model` is on the native runner and `layers` are its blocks."""
-    check_native(model)
+    require_native(model, "layerskip")
     n = model.cfg.num_layers
     if not layers or any(not 0 <= i < n for i in layers) or list(layers) != sorted(set(layers)):
         raise SpecDecodeError(
@@ -190,7 +185,7 @@ def calibrate_layers(
 
     Cost: about num_layers + shortlist * (blocks dropped) teacher-forced passes over `chat`.
     """
-    check_native(model)
+    require_native(model, "layerskip")
     if not 1 <= budget_layers <= model.cfg.num_layers:
         raise SpecDecodeError(
             f"layerskip budget must be 1..{model.cfg.num_layers} layers, got {budget_layers}"

@@ -10,7 +10,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, require_native
 from specdecode.drafters.hybrid import PREFIX, model_part
 from specdecode.errors import SpecDecodeError
 
@@ -133,11 +133,10 @@ def _layerskip(target: Any, layers: Sequence[int] | None, tokenizer: Any | None,
         LayerSkipDrafter,
         cached_calibration,
         check_layers,
-        check_native,
         default_budget,
     )
 
-    check_native(target)
+    require_native(target, "layerskip")
     kept = tuple(layers) if layers is not None else cached_calibration(
         target, tokenizer, default_budget(target)
     ).layers
@@ -150,8 +149,7 @@ def _heads(target: Any, heads: str | None, capacity: int) -> DrafterFactory:
 
     from specdecode.drafters.heads import HeadsDrafter, default_heads_dir, load_heads
 
-    if getattr(target, "backend", "") != "native":
-        raise SpecDecodeError("the heads drafter needs a target on the native runner")
+    require_native(target, "heads")
     model = load_heads(target, Path(heads).expanduser() if heads else default_heads_dir())
     return lambda: HeadsDrafter(model, capacity)
 
@@ -172,8 +170,7 @@ def _quantized_copy(name: str, target: Any, capacity: int) -> DrafterFactory:
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.models.precision import apply_precision, quantize_int8
 
-    if getattr(target, "backend", "") != "native":
-        raise SpecDecodeError(f"the {name} drafter needs a target on the native runner")
+    require_native(target, name)
     if name == "int8":
         weights = quantize_int8(copy.deepcopy(target))
     else:
