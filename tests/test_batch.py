@@ -395,7 +395,7 @@ def test_the_guard_holds_off_speculation_that_does_not_pay_and_tries_again() -> 
 
 
 class Overconfident:
-    """Always wrong, sure it is right (confidence 0.99 per token), and slow (5 ms a draft):
+    """Always wrong, sure it is right (confidence 0.99 per token), and slow (15 ms a draft):
     the cost model believes every step of it pays."""
 
     name = "overconfident"
@@ -411,13 +411,13 @@ class Overconfident:
     def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
                 generator: torch.Generator | None) -> Draft:
         self.calls += 1
-        time.sleep(0.005)
+        time.sleep(0.015)
         return Draft(torch.full((k,), 7), None, (self.confidence,) * k)
 
 
 class Hopeless(Overconfident):
     """Knows it is wrong (confidence 0): every draft is cut to nothing, every step verifies one
-    position, and each step still pays the 5 ms of proposing."""
+    position, and each step still pays the 15 ms of proposing."""
 
     confidence = 0.0
 
