@@ -48,12 +48,26 @@ SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/questio
 CARDS = Path(__file__).resolve().parents[1] / "src/specdecode/data"
 
 
+def self_repeat(prompt: list[int], output: list[int], n: int = 4) -> float:
+    """The share of the output's n-grams that repeat its own earlier n-grams and are not in the
+    prompt: near 1 for a small model looping at greedy (text a prompt lookup drafts for free,
+    which inflates its speedup), low for an answer that ends on its own or copies the prompt."""
+    in_prompt = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    seen: set[tuple[int, ...]] = set()
+    repeated = 0
+    for i in range(len(output) - n + 1):
+        gram = tuple(output[i:i + n])
+        repeated += gram in seen and gram not in in_prompt
+        seen.add(gram)
+    return repeated / max(1, len(output) - n + 1)
+
+
 def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k: int,
-            costs: CostModel | None = None) -> tuple[float, float, Any]:
+            costs: CostModel | None = None) -> tuple[float, float, Any, list[int]]:
     """(tokens/s of the whole request, prefill included: the request as users see it;
     tokens/s of its decoding phase alone: the tokens after the first step's, over the time
-    after it; counters). Every configuration runs through the same batch-1 engine; `costs`
-    given means --k auto (k is then kmax)."""
+    after it; counters; the output tokens). Every configuration runs through the same
+    batch-1 engine; `costs` given means --k auto (k is then kmax)."""
     gen = Generation(loaded.model, None, ids, params, drafter, k, loaded.tokenizer.eos_ids)
     controller = None if costs is None else Controller(kmax=k, costs=costs)
     engine = BatchEngine(loaded.model, 1, gen.capacity, controller=controller)
@@ -66,7 +80,8 @@ def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k
             first, first_n = time.perf_counter(), len(gen.output)
     end = time.perf_counter()
     n = len(gen.output)
-    return n / (end - start), (n - first_n) / max(1e-9, end - first), gen.counters
+    return n / (end - start), (n - first_n) / max(1e-9, end - first), gen.counters, \
+        [int(t) for t in gen.output]
 
 
 def parse_k(text: str) -> tuple[int, bool]:
@@ -151,6 +166,8 @@ def main() -> None:
             decode: dict[str, list[float]] = {"plain": []}
             counters: dict[str, list[Any]] = {}
             plain_step: list[float] = []
+            lengths: list[tuple[int, int]] = []  # (prompt tokens, new tokens of plain decoding)
+            per_prompt: list[dict[str, Any]] = []
             for i, p in enumerate(prompts):
                 ids = tok.encode(tok.apply_chat_template([{"role": "user",
                                                            "content": p.turns[0]}]))
@@ -158,17 +175,31 @@ def main() -> None:
                                         seed=i)
                 if not results and i == 0:
                     run_one(loaded, ids, params, None, 0)  # warm-up
-                rate, dec, c0 = run_one(loaded, ids, params, None, 0)
+                rate, dec, c0, out = run_one(loaded, ids, params, None, 0)
                 rates["plain"].append(rate)
                 decode["plain"].append(dec)
                 plain_step.append(c0.target_ns / max(1, c0.steps))
+                lengths.append((len(ids), len(out)))
+                by_drafter: dict[str, float] = {}
+                prompt_row = {"id": p.id, "prompt_tokens": len(ids), "new_tokens": len(out),
+                              "self_repeat": self_repeat(ids, out), "ratio": by_drafter}
                 for name, (factory, k, auto) in factories.items():
-                    rate, dec, c = run_one(loaded, ids, params, factory(), k,
-                                           costs if auto else None)
+                    rate, dec, c, _ = run_one(loaded, ids, params, factory(), k,
+                                              costs if auto else None)
                     rates.setdefault(name, []).append(rate)
                     decode.setdefault(name, []).append(dec)
                     counters.setdefault(name, []).append(c)
+                    by_drafter[name] = rate / rates["plain"][-1]
+                per_prompt.append(prompt_row)
+                print(f"# {category} {p.id}: {len(ids)} prompt / {len(out)} new tokens, "
+                      f"{prompt_row['self_repeat']:.2f} of its 4-grams repeat its own output; "
+                      + ", ".join(f"{n} {r:.2f}x" for n, r in by_drafter.items()),
+                      flush=True)
             step_ns = statistics.median(plain_step)
+            prompt_len = statistics.median(n for n, _ in lengths)
+            new_tokens = statistics.median(n for _, n in lengths)
+            print(f"# {category}: median {prompt_len:.0f} prompt tokens, {new_tokens:.0f} new "
+                  "tokens (plain)")
             for name, (_, k, auto) in factories.items():
                 cs = counters[name]
                 drafted = sum(c.drafted for c in cs)
@@ -188,7 +219,9 @@ def main() -> None:
                        "ratio_max": max(ratios),
                        "decode_ratio": statistics.median(decode_ratios),
                        "decode_ratio_min": min(decode_ratios),
-                       "decode_ratio_max": max(decode_ratios)}
+                       "decode_ratio_max": max(decode_ratios),
+                       "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+                       "prompts": per_prompt}
                 results.append(row)
                 print(f"{category:<28}{name.split(':')[0]:<11}{row['k']:>6}{alpha:>7.2f}"
                       f"{row['accepted_per_drafted']:>7.2f}{row['mean_acceptance_length']:>6.2f}"
