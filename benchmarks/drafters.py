@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from specdecode.bench.stats import self_repeat
 from specdecode.bench.workloads import Prompt, load_default_workload, load_workload
 from specdecode.control import Controller, CostModel, calibrated_costs
 from specdecode.costs import hardware
@@ -46,19 +47,6 @@ from specdecode.sampling import SamplingParams
 
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"
 CARDS = Path(__file__).resolve().parents[1] / "src/specdecode/data"
-
-
-def self_repeat(output: list[int], n: int = 4) -> float:
-    """The share of the output's n-grams that repeat its own earlier n-grams: near 1 for a small
-    model looping at greedy (text a lookup drafts for free, which inflates its speedup), low
-    for an answer that ends on its own (copying the prompt once does not count)."""
-    seen: set[tuple[int, ...]] = set()
-    repeated = 0
-    for i in range(len(output) - n + 1):
-        gram = tuple(output[i:i + n])
-        repeated += gram in seen
-        seen.add(gram)
-    return repeated / max(1, len(output) - n + 1)
 
 
 def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k: int,

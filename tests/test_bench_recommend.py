@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
+import pytest
 
 from specdecode.bench.harness import config_grid, make_header
 from specdecode.bench.recommend import recommend, vllm_speculative_config
 from specdecode.bench.records import ConfigSpec
-from specdecode.bench.stats import analyze
+from specdecode.bench.stats import analyze, self_repeat
 from specdecode.bench.store import Results
 from tests.test_bench_fakes import FakeRunner, linear_v, make_prompts, ngram, plain, workload_of
 
@@ -110,3 +112,40 @@ def test_vllm_mapping_of_other_drafters() -> None:
     assert "one drafting method" in note and "n-gram lookup" in note
     cfg, note = vllm_speculative_config(ConfigSpec("h", drafter="ngram+self_spec", k=3), 3)
     assert cfg is None and "no equivalent" in note
+
+
+def test_self_repeat_measures_a_loop_not_a_copy() -> None:
+    loop = [5, 6, 7, 8, 9] * 20  # a sentence said 20 times
+    assert self_repeat(loop) == pytest.approx(92 / 97)  # all but its first 5 4-grams
+    assert self_repeat(list(range(100))) == 0.0  # says something new each time
+    assert self_repeat([1, 2, 3]) == 0.0  # shorter than one 4-gram
+    # 50 new tokens, then the sentence 10 times: 42 of the 97 4-grams repeat
+    assert self_repeat([*range(100, 150), *loop[:50]]) == pytest.approx(42 / 97)
+
+
+def test_looping_outputs_are_named_and_the_speedup_without_them_is_given() -> None:
+    """5 of 12 prompts loop (their tokens repeat one sentence) and speculation is 3x faster on
+    them, as a lookup drafting the loop is: the note counts them and quotes the speedup on the
+    7 others, which is the untouched run's, not the inflated overall one."""
+    runner = FakeRunner(alpha={"ngram": 0.7})
+    results = measure(runner, [plain(), ngram()])
+    clean = analyze(results, n_resamples=300)
+    clean_speedup = clean.summary("ngram-k4", 1).speedup.total_ratio  # type: ignore[union-attr]
+    assert not any("loop" in n for n in recommend(clean).notes)  # nothing loops: no note
+    looping = sorted({s.prompt_id for s in results.samples})[:5]
+    results.samples = [
+        dataclasses.replace(
+            s, output_token_ids=([7, 8, 9, 10] * s.output_tokens)[:s.output_tokens],
+            latency_s=s.latency_s / (3 if s.config != "plain" else 1))
+        if s.prompt_id in looping else s
+        for s in results.samples]
+    analysis = analyze(results, n_resamples=300)
+    overall = analysis.summary("ngram-k4", 1).speedup.total_ratio  # type: ignore[union-attr]
+    assert overall.estimate > 1.3 * clean_speedup.estimate  # the loops inflate it
+    units = [s for s in results.samples if s.config == "plain"]  # (prompt, turn) requests
+    n_loop = sum(s.prompt_id in looping for s in units)
+    (note,) = [n for n in recommend(analysis).notes if "loop" in n]
+    assert f"{n_loop} of {len(units)} requests' plain outputs loop" in note
+    found = re.search(r"on the (\d+) other requests: ([\d.]+)x", note)
+    assert found is not None and int(found.group(1)) == len(units) - n_loop
+    assert abs(float(found.group(2)) / clean_speedup.estimate - 1) < 0.1

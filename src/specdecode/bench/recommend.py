@@ -21,7 +21,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from specdecode.bench.records import ConfigSpec
-from specdecode.bench.stats import Analysis, ConfigSummary, jsonable
+from specdecode.bench.stats import (
+    Analysis,
+    ConfigSummary,
+    find_baseline,
+    jsonable,
+    loops,
+    measure_speedup,
+)
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DRAFT_MODEL_NAMES = ("draft-model", "draft_model", "draft")
@@ -171,6 +178,31 @@ def _deploy_k(s: ConfigSummary) -> tuple[int, str]:
                f"num_speculative_tokens, so {k} is suggested")
 
 
+def loop_note(analysis: Analysis, s: ConfigSummary) -> str | None:
+    """Where plain decoding's outputs loop (stats.loops), how many, and the speedup on the
+    requests whose outputs do not: the figure that holds for traffic that ends by itself."""
+    base = find_baseline(s.spec, analysis.results.header.configs)
+    if base is None:
+        return None
+    plain = [x for x in analysis.results.samples if (x.config, x.batch_size) == base.key]
+    looping = {(x.prompt_id, x.turn) for x in plain if loops(x)}
+    if not looping:
+        return None
+    text = (f"{len(looping)} of {len(plain)} requests' plain outputs loop (at least half of "
+            "their 4-grams repeat their own earlier text, as a small model at greedy does); "
+            "a drafter predicts a loop cheaply (a prompt lookup for free), so the speedup "
+            "above overstates traffic whose outputs end by themselves")
+    spec = [x for x in analysis.results.samples if (x.config, x.batch_size) == s.key
+            and (x.prompt_id, x.turn) not in looping]
+    rest = measure_speedup(spec, [x for x in plain if (x.prompt_id, x.turn) not in looping],
+                           base.name, analysis.n_resamples, analysis.seed)
+    if rest is None or rest.n_pairs < 2:
+        return text + "; too few other requests to measure it without them"
+    r = rest.total_ratio
+    return text + (f"; on the {rest.n_pairs} other requests: {r.estimate:.2f}x "
+                   f"(95% CI {r.low:.2f}-{r.high:.2f})")
+
+
 def recommend(analysis: Analysis) -> Recommendation:
     """The deployment recommendation from an Analysis (see the module docstring)."""
     candidates: list[tuple[float, list[ConfigSummary], list[ConfigSummary]]] = []
@@ -187,7 +219,7 @@ def recommend(analysis: Analysis) -> Recommendation:
     vllm, vllm_note = vllm_speculative_config(best.spec, k)
     off = runs[len(prefix)] if len(prefix) < len(runs) else None
     evidence = [evidence_line(analysis, s) for s in runs]
-    notes = [n for n in (k_note, vllm_note) if n]
+    notes = [n for n in (loop_note(analysis, best), k_note, vllm_note) if n]
     if off is not None:
         notes.append(f"at batch size {off.spec.batch_size} it is not a demonstrated win: "
                      f"{_fmt_ci(off)}, {_audit_text(analysis, off)}. Larger batches leave "
