@@ -184,3 +184,24 @@ def test_tune_spreads_its_prompts_over_the_categories() -> None:
     prompts = [Prompt(i, i[0], ["t5"]) for i in ("a0", "a1", "b0", "a2", "c0")]
     assert [p.id for p in commands.round_robin(prompts, 4)] == ["a0", "b0", "c0", "a1"]
     assert [p.id for p in commands.round_robin(prompts, 9)] == ["a0", "b0", "c0", "a1", "a2"]
+
+
+@pytest.mark.parametrize("extra, expected", [([], (128, None)), (["--max-tokens", "1024"],
+                                                                 (1024, 1024))])
+def test_max_tokens_is_the_limit_of_prompts_that_set_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str],
+        expected: tuple[int, int | None]) -> None:
+    """A Spec-Bench file's prompts set no max_tokens: --max-tokens 1024 must let them generate
+    1,024 tokens (it once only capped them at the default 128)."""
+    seen: list[tuple[int, int | None]] = []
+
+    def capture(args: object, plan: commands.BenchPlan, default: int) -> None:
+        seen.append((default, plan.max_tokens_cap))
+        raise SpecDecodeError("stop here")
+
+    monkeypatch.setattr(commands, "make_runner", capture)
+    wl = workload(tmp_path, SPECBENCH)
+    code, _, err = run(["bench", "--model", "x", "--workload", wl, "--out",
+                        str(tmp_path / "o"), "--quiet", *extra])
+    assert code == 2 and "stop here" in err
+    assert seen == [expected]
