@@ -153,7 +153,6 @@ def main() -> None:
             decode: dict[str, list[float]] = {"plain": []}
             counters: dict[str, list[Any]] = {}
             plain_step: list[float] = []
-            lengths: list[tuple[int, int]] = []  # (prompt tokens, new tokens of plain decoding)
             per_prompt: list[dict[str, Any]] = []
             for i, p in enumerate(prompts):
                 ids = tok.encode(tok.apply_chat_template([{"role": "user",
@@ -166,7 +165,6 @@ def main() -> None:
                 rates["plain"].append(rate)
                 decode["plain"].append(dec)
                 plain_step.append(c0.target_ns / max(1, c0.steps))
-                lengths.append((len(ids), len(out)))
                 by_drafter: dict[str, float] = {}
                 prompt_row = {"id": p.id, "prompt_tokens": len(ids), "new_tokens": len(out),
                               "self_repeat": self_repeat(out), "ratio": by_drafter}
@@ -183,8 +181,8 @@ def main() -> None:
                       + ", ".join(f"{n} {r:.2f}x" for n, r in by_drafter.items()),
                       flush=True)
             step_ns = statistics.median(plain_step)
-            prompt_len = statistics.median(n for n, _ in lengths)
-            new_tokens = statistics.median(n for _, n in lengths)
+            prompt_len = statistics.median(r["prompt_tokens"] for r in per_prompt)
+            new_tokens = statistics.median(r["new_tokens"] for r in per_prompt)
             print(f"# {category}: median {prompt_len:.0f} prompt tokens, {new_tokens:.0f} new "
                   "tokens (plain)")
             for name, (_, k, auto) in factories.items():

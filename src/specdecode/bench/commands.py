@@ -356,7 +356,7 @@ def endpoint_lines(outcome: Any) -> list[str]:
     lines = ["acceptance read from the endpoints' /metrics (per batch; other clients' traffic "
              "would pollute it):"]
     for s in outcome.analysis.configs:
-        mine = [x for x in results.samples if (x.config, x.batch_size) == s.key]
+        mine = results.samples_of(s.key)
         a = acceptance(mine)
         if a.steps == 0:
             text = "unknown (no speculation counters, or none attributable)"

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from specdecode.bench.records import ConfigSpec
+from specdecode.bench.records import ConfigSpec, RequestSample
 from specdecode.bench.stats import (
     Analysis,
     ConfigSummary,
@@ -184,18 +184,21 @@ def loop_note(analysis: Analysis, s: ConfigSummary) -> str | None:
     base = find_baseline(s.spec, analysis.results.header.configs)
     if base is None:
         return None
-    plain = [x for x in analysis.results.samples if (x.config, x.batch_size) == base.key]
+    plain = analysis.results.samples_of(base.key)
     looping = {(x.prompt_id, x.turn) for x in plain if loops(x)}
     if not looping:
         return None
+
+    def ends(samples: list[RequestSample]) -> list[RequestSample]:
+        """The requests whose plain output does not loop."""
+        return [x for x in samples if (x.prompt_id, x.turn) not in looping]
+
     text = (f"{len(looping)} of {len(plain)} requests' plain outputs loop (at least half of "
             "their 4-grams repeat their own earlier text, as a small model at greedy does); "
             "a drafter predicts a loop cheaply (a prompt lookup for free), so the speedup "
             "above overstates traffic whose outputs end by themselves")
-    spec = [x for x in analysis.results.samples if (x.config, x.batch_size) == s.key
-            and (x.prompt_id, x.turn) not in looping]
-    rest = measure_speedup(spec, [x for x in plain if (x.prompt_id, x.turn) not in looping],
-                           base.name, analysis.n_resamples, analysis.seed)
+    rest = measure_speedup(ends(analysis.results.samples_of(s.key)), ends(plain), base.name,
+                           analysis.n_resamples, analysis.seed)
     if rest is None or rest.n_pairs < 2:
         return text + "; too few other requests to measure it without them"
     r = rest.total_ratio

@@ -97,10 +97,6 @@ def category_rows(analysis: Analysis) -> list[dict[str, Any]]:
     return rows
 
 
-def _samples_of(analysis: Analysis, s: ConfigSummary) -> list[Any]:
-    return [x for x in analysis.results.samples if (x.config, x.batch_size) == s.key]
-
-
 def _slot(analysis: Analysis, name: str) -> int:
     """A configuration's palette slot: the same colour in every chart of the report."""
     names = list(dict.fromkeys(c.spec.name for c in analysis.configs))
@@ -119,7 +115,7 @@ def latency_figures(analysis: Analysis) -> list[dict[str, Any]]:
         for title, label, get in metrics:
             series = []
             for s in configs:
-                values = [v for x in _samples_of(analysis, s) for v in get(x)]
+                values = [v for x in analysis.results.samples_of(s.key) for v in get(x)]
                 xs, ys = ecdf(values)
                 series.append(svg.Series(s.spec.name, xs, ys, step=True,
                                          color_index=_slot(analysis, s.spec.name)))

@@ -621,13 +621,13 @@ def jsonable(obj: Any) -> Any:
 def _summarize(
     spec: ConfigSpec, results: Results, n_resamples: int, seed: int
 ) -> tuple[ConfigSummary, AuditVerdict | None]:
-    samples = [s for s in results.samples if (s.config, s.batch_size) == spec.key]
+    samples = results.samples_of(spec.key)
     summary = _base_summary(spec, samples)
     base = None if spec.is_plain else find_baseline(spec, results.header.configs)
     if base is None:
         summary.by_category = by_category(samples, [])
         return summary, None
-    plain = [s for s in results.samples if (s.config, s.batch_size) == base.key]
+    plain = results.samples_of(base.key)
     summary.by_category = by_category(samples, plain)
     summary.speedup = measure_speedup(samples, plain, base.name, n_resamples, seed)
     _add_costs(summary, plain, samples, results.cost_curves)

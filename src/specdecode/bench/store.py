@@ -67,6 +67,10 @@ class Results:
         else:
             self.audits.append(record)
 
+    def samples_of(self, key: tuple[str, int]) -> list[RequestSample]:
+        """The successful requests of one (config, batch size)."""
+        return [s for s in self.samples if (s.config, s.batch_size) == key]
+
     def done_units(self) -> set[UnitKey]:
         """The (config, prompt_id, turn, batch_size) units already measured (a failed request
         is not: --resume runs it again)."""
