@@ -58,6 +58,7 @@ from specdecode.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0.0)
 MAX_TARGET_WIDTH = 9
 MAX_COPY_WIDTH = 5
+HYBRID = "hybrid k=3 t=0.6"  # the hybrid as the engine runs it (ngram+w4a16, k=3)
 
 
 @dataclass
@@ -195,10 +196,11 @@ def mixed(k: int, min_n: int) -> Policy:
     return policy
 
 
-def replay(trace: Trace, policy: Policy) -> float:
-    """Seconds of the decoding phase under `policy`: the output replayed step by step."""
+def replay(trace: Trace, policy: Policy) -> tuple[float, int]:
+    """Seconds of the decoding phase under `policy`, and its steps: the output replayed step by
+    step."""
     ngram = NgramDrafter()
-    out, m, total = trace.out, 0, 0.0
+    out, m, total, steps = trace.out, 0, 0.0, 0
     while m < len(out):
         drafts, spent = policy(ngram, trace, m)
         drafts = drafts[:MAX_TARGET_WIDTH - 1]
@@ -208,7 +210,8 @@ def replay(trace: Trace, policy: Policy) -> float:
             accepted += 1
         total += spent + trace.target_s[len(drafts) + 1]
         m += accepted + 1
-    return total
+        steps += 1
+    return total, steps
 
 
 def policies() -> dict[str, Policy]:
@@ -284,6 +287,7 @@ def main() -> None:
     tok, target = loaded.tokenizer, loaded.model
     copy = apply_precision(target, "w4a16")
     hybrid_engine = drafter_factory("ngram+w4a16", target, None, 4096, tokenizer=tok)
+    assert hybrid_engine is not None
     prompts = load_workload(args.specbench, categories=args.categories.split(","),
                             limit_per_category=args.per_category).prompts
     hw = hardware()
@@ -299,21 +303,27 @@ def main() -> None:
             if i == 0:
                 run_one(loaded, ids, params, None, 0)  # warm-up
             plain_rate, _, counters, out = run_one(loaded, ids, params, None, 0)
-            hybrid_rate, _, _, hybrid_out = run_one(loaded, ids, params, hybrid_engine(), 3)
+            hybrid_rate, _, hybrid_counters, hybrid_out = run_one(loaded, ids, params,
+                                                                  hybrid_engine(), 3)
             assert hybrid_out == out, f"prompt {p.id}: the hybrid's output is not plain's"
             top, prob = teacher_forced(target, copy, ids, out)
             target_s, copy_s = measure_costs(target, copy, ids + out[:len(out) // 2],
                                              args.repeats)
             trace = Trace(ids, out, top, prob, target_s, copy_s, counters.prefill_ns / 1e9)
-            seconds = {name: replay(trace, policy) for name, policy in table.items()}
+            replayed = {name: replay(trace, policy) for name, policy in table.items()}
+            seconds = {name: spent for name, (spent, _) in replayed.items()}
+            steps = replayed[HYBRID][1]
             agree = sum(a == b for a, b in zip(top, out, strict=True)) / len(out)
             rows.append({"id": p.id, "prompt_tokens": len(ids), "new_tokens": len(out),
                          "prefill_s": trace.prefill_s, "target_s": target_s, "copy_s": copy_s,
                          "copy_agreement": agree, "engine_hybrid_ratio": hybrid_rate / plain_rate,
+                         "engine_hybrid_steps": hybrid_counters.steps, "replay_hybrid_steps": steps,
                          "seconds": seconds})
             print(f"# {p.id}: {len(ids)} prompt / {len(out)} new tokens; copy agrees on "
                   f"{agree:.0%}; v(4) {target_s[4] / target_s[1]:.2f}, copy c "
-                  f"{copy_s[1] / target_s[1]:.2f}; engine hybrid {hybrid_rate / plain_rate:.2f}x",
+                  f"{copy_s[1] / target_s[1]:.2f}; engine hybrid "
+                  f"{hybrid_rate / plain_rate:.2f}x in {hybrid_counters.steps} steps, "
+                  f"replayed in {steps}",
                   flush=True)
     report(rows, table)
     if args.out:
@@ -333,7 +343,10 @@ def report(rows: list[dict[str, Any]], table: dict[str, Policy]) -> None:
                 for r in rows]
         print(f"{name:<30}{plain / spent:>10.2f}{(prefill + plain) / (prefill + spent):>10.2f}"
               f"{min(each):>14.2f}-{max(each):.2f}")
-    print(f"\nthe hybrid k=3 t=0.6 in the engine, measured: median "
+    engine_steps = sum(r["engine_hybrid_steps"] for r in rows)
+    replay_steps = sum(r["replay_hybrid_steps"] for r in rows)
+    print(f"\nthe hybrid k=3 t=0.6 in the engine: {engine_steps} steps (replayed: {replay_steps}), "
+          f"measured median "
           f"{statistics.median(engine):.2f}x ({min(engine):.2f}-{max(engine):.2f}) whole-request")
 
 

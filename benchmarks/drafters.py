@@ -144,6 +144,7 @@ def main() -> None:
     for name in dict.fromkeys(item.split(":")[0] for item in factories):
         print(f"# training cost: {training_cost(name)}")
     results: list[dict[str, Any]] = []
+    prompt_rows: list[dict[str, Any]] = []  # per temperature and category: its prompts, once
     for temperature in (float(t) for t in args.temperatures.split(",")):
         print(f"\n## temperature {temperature}")
         print(f"{'category':<28}{'drafter':<11}{'k':>6}{'alpha':>7}{'acc/dr':>7}{'len':>6}"
@@ -181,6 +182,8 @@ def main() -> None:
                       + ", ".join(f"{n} {r:.2f}x" for n, r in by_drafter.items()),
                       flush=True)
             step_ns = statistics.median(plain_step)
+            prompt_rows.append({"temperature": temperature, "category": category,
+                                "prompts": per_prompt})
             prompt_len = statistics.median(r["prompt_tokens"] for r in per_prompt)
             new_tokens = statistics.median(r["new_tokens"] for r in per_prompt)
             print(f"# {category}: median {prompt_len:.0f} prompt tokens, {new_tokens:.0f} new "
@@ -205,8 +208,7 @@ def main() -> None:
                        "decode_ratio": statistics.median(decode_ratios),
                        "decode_ratio_min": min(decode_ratios),
                        "decode_ratio_max": max(decode_ratios),
-                       "prompt_tokens": prompt_len, "new_tokens": new_tokens,
-                       "prompts": per_prompt}
+                       "prompt_tokens": prompt_len, "new_tokens": new_tokens}
                 results.append(row)
                 print(f"{category:<28}{name.split(':')[0]:<11}{row['k']:>6}{alpha:>7.2f}"
                       f"{row['accepted_per_drafted']:>7.2f}{row['mean_acceptance_length']:>6.2f}"
@@ -223,7 +225,8 @@ def main() -> None:
             verdict = "wins" if ratio > 1.0 else "every drafter loses"
             print(f"  best on {category}: {name} {ratio:.2f}x plain ({verdict})")
     if args.out:
-        Path(args.out).write_text(json.dumps({"hardware": hw, "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"hardware": hw, "results": results,
+                                              "prompts": prompt_rows}, indent=1))
 
 
 if __name__ == "__main__":
