@@ -214,3 +214,18 @@ def test_prediction_matches_measurement_when_its_assumptions_hold() -> None:
     expected = predicted_speedup(0.6, 4, 0.1, 1.05)
     assert s.predicted_speedup == pytest.approx(expected, rel=0.05)
     assert s.speedup.total_ratio.estimate == pytest.approx(expected, rel=0.05)
+
+
+def test_speedup_after_the_first_token_leaves_the_prefill_out() -> None:
+    # every request: a 2 s prefill (time to first token) on both sides, then 99 tokens that the
+    # speculative side decodes twice as fast (9.9 s against 4.95 s)
+    base = [sample(f"p{i}", 2.0 + 9.9 * (1 + i / 10), tokens=100, ttft_s=2.0)
+            for i in range(12)]
+    fast = [sample(f"p{i}", 2.0 + 9.9 * (1 + i / 10) / 2, tokens=100, ttft_s=2.0,
+                   config="spec") for i in range(12)]
+    s = measure_speedup(fast, base, "plain", n_resamples=300)
+    assert s is not None
+    assert s.decode_ratio.estimate == pytest.approx(2.0)
+    assert s.decode_ratio.low == pytest.approx(2.0) and s.decode_ratio.high == pytest.approx(2.0)
+    # whole requests carry the prefill on both sides: well below 2x
+    assert 1.5 < s.total_ratio.estimate < 1.8

@@ -75,6 +75,7 @@ def summary_rows(analysis: Analysis) -> list[dict[str, Any]]:
             "rate": _num(a.rate), "alpha": _num(a.alpha), "mal": _num(a.mean_acceptance_length),
             "speedup": _ci(spd.total_ratio) if spd else DASH,
             "median_speedup": _ci(spd.median_ratio) if spd else DASH,
+            "decode_speedup": _ci(spd.decode_ratio) if spd else DASH,
             "predicted": _num(s.predicted_speedup) + (f" ({s.cost_source})" if s.cost_source
                                                       else ""),
             "audit": audit, "audit_class": audit_class,

@@ -24,8 +24,9 @@ def config_lines(analysis: Analysis, s: ConfigSummary) -> list[str]:
     a = s.acceptance
     speed = "no plain baseline"
     if s.speedup is not None:
-        t = s.speedup.total_ratio
-        speed = f"speedup {_f(t.estimate)}x [{_f(t.low)}, {_f(t.high)}]"
+        t, d = s.speedup.total_ratio, s.speedup.decode_ratio
+        speed = (f"speedup {_f(t.estimate)}x [{_f(t.low)}, {_f(t.high)}] (after the first "
+                 f"token {_f(d.estimate)}x [{_f(d.low)}, {_f(d.high)}])")
     audit = {True: "pass", False: "FAIL", None: "none"}[
         analysis.audit_passed(s.spec.name, s.spec.batch_size)]
     lines.append(f"  {'':<18} {speed}, predicted {_f(s.predicted_speedup)}x, alpha "
