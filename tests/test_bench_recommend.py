@@ -149,3 +149,6 @@ def test_looping_outputs_are_named_and_the_speedup_without_them_is_given() -> No
     found = re.search(r"on the (\d+) other requests: ([\d.]+)x", note)
     assert found is not None and int(found.group(1)) == len(units) - n_loop
     assert abs(float(found.group(2)) / clean_speedup.estimate - 1) < 0.1
+    clean_decode = clean.summary("ngram-k4", 1).speedup.decode_ratio  # type: ignore[union-attr]
+    found = re.search(r"other requests: [^;]*after the first token ([\d.]+)x", note)
+    assert found is not None and abs(float(found.group(1)) / clean_decode.estimate - 1) < 0.1

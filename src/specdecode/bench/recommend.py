@@ -201,9 +201,10 @@ def loop_note(analysis: Analysis, s: ConfigSummary) -> str | None:
                            analysis.n_resamples, analysis.seed)
     if rest is None or rest.n_pairs < 2:
         return text + "; too few other requests to measure it without them"
-    r = rest.total_ratio
+    r, d = rest.total_ratio, rest.decode_ratio
     return text + (f"; on the {rest.n_pairs} other requests: {r.estimate:.2f}x "
-                   f"(95% CI {r.low:.2f}-{r.high:.2f})")
+                   f"(95% CI {r.low:.2f}-{r.high:.2f}), after the first token {d.estimate:.2f}x "
+                   f"({d.low:.2f}-{d.high:.2f})")
 
 
 def recommend(analysis: Analysis) -> Recommendation:
