@@ -14,7 +14,8 @@ tokens, how they are checked) can be replayed offline, with the costs measured h
   replayed step what it would propose;
 - a draft is accepted up to its first token that differs from the output; a step costs its copy
   forwards (by width) and the target's verification (by width): medians of forwards at the
-  prompt's context length, measured interleaved; the prefill is the plain run's own.
+  prompt's context length (costs.forward_costs, the widths of each model interleaved); the
+  prefill is the plain run's own.
 
 Per policy: the predicted decoding-phase ratio to plain (the replay's plain: one width-1 target
 forward per token) and the whole-request ratio with the measured prefill added to both sides.
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +48,8 @@ from drafters import SPECBENCH, run_one
 
 from specdecode.bench.workloads import load_workload
 from specdecode.control import expected_accepted
-from specdecode.costs import hardware
-from specdecode.drafters.ngram import NgramDrafter
+from specdecode.costs import forward_costs, hardware
+from specdecode.drafters.ngram import NgramDrafter, NgramIndex
 from specdecode.drafters.registry import drafter_factory
 from specdecode.models.loading import load_model
 from specdecode.models.precision import apply_precision
@@ -94,14 +94,15 @@ def copy_drafts(trace: Trace, m: int, drafts: list[int], n: int) -> list[int]:
 
 
 def suffix_match(tokens: list[int], max_n: int = 8) -> tuple[int, int]:
-    """(token after the most recent earlier occurrence of the longest suffix n-gram, n); (-1, 0)
-    when no suffix recurs."""
-    for n in range(min(max_n, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n], n
-    return -1, 0
+    """(the token the n-gram drafter's index would copy next after `tokens`, its match length);
+    (-1, 0) when no suffix recurs."""
+    index = NgramIndex(max_n, 1)
+    index.extend(tokens)
+    found = index.lookup()
+    if found is None:
+        return -1, 0
+    start, n = found
+    return index.continuation(start, 1)[0], n
 
 
 def lookup(ngram: NgramDrafter, trace: Trace, m: int, k: int) -> tuple[list[int], float]:
@@ -134,7 +135,8 @@ def hybrid(k: int, min_expected: float, lookup_k: int | None = None) -> Policy:
         proposal, expected = lookup(ngram, trace, m, lookup_k or k)
         if proposal and expected >= min_expected:
             return proposal, 0.0
-        return copy_alone(k)(ngram, trace, m)
+        drafts = copy_drafts(trace, m, [], k)
+        return drafts, len(drafts) * trace.copy_s[1]
     return policy
 
 
@@ -233,30 +235,15 @@ def policies() -> dict[str, Policy]:
     return table
 
 
-def forward_seconds(model: Any, cache: Any, length: int, width: int) -> float:
-    cache.rollback(0, length)
-    start = time.perf_counter()
-    model(torch.full((1, width), 5), cache, logits_for="all")
-    return time.perf_counter() - start
-
-
-def measure_costs(target: Any, copy: Any, context: list[int], repeats: int
+def measure_costs(target: Any, copy: Any, context: int, repeats: int
                   ) -> tuple[dict[int, float], dict[int, float]]:
     """Median seconds of a target forward of each verification width and of a copy forward of
-    each width, at `context`'s length, the two interleaved."""
-    cache = target.new_cache(1, len(context) + MAX_TARGET_WIDTH + 1)
-    target(torch.tensor([context]), cache, logits_for="none")
-    times: dict[tuple[str, int], list[float]] = {}
-    for _ in range(repeats + 1):  # the first round warms up
-        for width in range(1, MAX_TARGET_WIDTH + 1):
-            times.setdefault(("target", width), []).append(
-                forward_seconds(target, cache, len(context), width))
-        for width in range(1, MAX_COPY_WIDTH + 1):
-            times.setdefault(("copy", width), []).append(
-                forward_seconds(copy, cache, len(context), width))
-    med = {key: statistics.median(v[1:]) for key, v in times.items()}
-    return ({w: med["target", w] for w in range(1, MAX_TARGET_WIDTH + 1)},
-            {w: med["copy", w] for w in range(1, MAX_COPY_WIDTH + 1)})
+    each width after `context` tokens (costs.forward_costs, each model in a cache of its own:
+    a forward's time does not depend on the values it reads)."""
+    target_rows = forward_costs(target, 1, context, MAX_TARGET_WIDTH, repeats)
+    copy_rows = forward_costs(copy, 1, context, MAX_COPY_WIDTH, repeats)
+    return ({r["k"]: r["median_s"] for r in target_rows},
+            {r["k"]: r["median_s"] for r in copy_rows})
 
 
 def teacher_forced(target: Any, copy: Any, ids: list[int], out: list[int]
@@ -307,7 +294,7 @@ def main() -> None:
                                                                   hybrid_engine(), 3)
             assert hybrid_out == out, f"prompt {p.id}: the hybrid's output is not plain's"
             top, prob = teacher_forced(target, copy, ids, out)
-            target_s, copy_s = measure_costs(target, copy, ids + out[:len(out) // 2],
+            target_s, copy_s = measure_costs(target, copy, len(ids) + len(out) // 2,
                                              args.repeats)
             trace = Trace(ids, out, top, prob, target_s, copy_s, counters.prefill_ns / 1e9)
             replayed = {name: replay(trace, policy) for name, policy in table.items()}
