@@ -4,7 +4,7 @@ The distribution test ("audit") decodes the first two tokens of a toy bigram tar
 with a drafter and a verifier, and checks with chi-square tests that the first token and the
 first-two-token sequence are distributed exactly as the target's. The SAME audit is run on
 deliberately broken verifiers and drafter pipelines, and must catch every one of them: a test
-that cannot fail proves nothing (DESIGN.md).
+that cannot fail proves nothing (docs/design.md).
 
 Sample size: required_samples(DESIGN_TV, FALSE_ALARM, POWER, V * V) draws, so that any output
 distribution at TV >= DESIGN_TV from the target's is caught with probability >= POWER (under the

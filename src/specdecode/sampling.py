@@ -1,7 +1,7 @@
 """The one sampling pipeline: the single place where the target's p and the draft's q are computed.
 
 Speculative decoding is lossless only if the target's p and the drafter's q come out of the SAME
-processing (DESIGN.md): both call `probs_from_logits` here, and sample with `sample`.
+processing (docs/design.md): both call `probs_from_logits` here, and sample with `sample`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Verification: pure tensor functions deciding which proposed tokens to keep. No model, no state.
 
-Vocabulary (DESIGN.md), for a chain of k draft tokens x_0..x_{k-1} scored by the target:
+Vocabulary (docs/design.md), for a chain of k draft tokens x_0..x_{k-1} scored by the target:
 
 - accepted token: a draft token kept by verification. Tokens are checked in order and the first
   rejection ends the chain, so the accepted tokens are always a prefix x_0..x_{n-1}.
@@ -107,7 +107,7 @@ def verify_chain(
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Per-position probability that verify_chain accepts a draft token drawn from q, (k,).
 
-    alpha_i = sum_x min(p_i(x), q_i(x)) (Leviathan et al. 2023; DESIGN.md's alpha). q: (k, V);
+    alpha_i = sum_x min(p_i(x), q_i(x)) (Leviathan et al. 2023; docs/design.md's alpha). q: (k, V);
     p: (k, V) or (k+1, V) as passed to verify_chain (only its first k rows are used).
     """
     k = q.shape[0]
