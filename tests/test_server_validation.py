@@ -75,6 +75,16 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("logprobs", CHAT, {**OK_CHAT, "logprobs": True}, 400, "logprobs", "unsupported_value"),
     ("logit-bias-not-a-token", COMPLETIONS, {**OK, "logit_bias": {"abc": 1}}, 400, "logit_bias",
      "invalid_value"),
+    ("logit-bias-superscript-digit", COMPLETIONS, {**OK, "logit_bias": {"\u00b2": 1}}, 400,
+     "logit_bias", "invalid_value"),
+    ("logit-bias-arabic-indic-digit", COMPLETIONS, {**OK, "logit_bias": {"\u0661": 1}}, 400,
+     "logit_bias", "invalid_value"),
+    ("logit-bias-5000-digits", COMPLETIONS, {**OK, "logit_bias": {"9" * 5000: 1}}, 400,
+     "logit_bias", "invalid_value"),
+    ("logit-bias-outside-vocab", COMPLETIONS, {**OK, "logit_bias": {"96": 1}}, 400,
+     "logit_bias", "invalid_value"),
+    ("logit-bias-signed", COMPLETIONS, {**OK, "logit_bias": {"+3": 1}}, 400, "logit_bias",
+     "invalid_value"),
     ("logit-bias-range", COMPLETIONS, {**OK, "logit_bias": {"3": 500}}, 400, "logit_bias.3",
      "invalid_value"),
     ("penalty-range", COMPLETIONS, {**OK, "presence_penalty": 3}, 400, "presence_penalty",
@@ -109,6 +119,27 @@ def test_bad_request_gets_4xx_with_openai_error(
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert (error["param"], error["code"]) == (param, code), error
     assert not state.worker.engine.busy and state.inflight == 0
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0661", "9" * 5000, "96", " 3"])
+def test_logit_bias_error_names_the_key(plain_server: tuple[BackgroundServer, Any],
+                                        key: str) -> None:
+    """Keys are ASCII decimal token ids below the vocabulary size: a Unicode digit (which
+    str.isdigit accepts) or a number past Python's integer-string limit is a 400 whose message
+    quotes the key (its first 20 characters), never a 500 or another token id."""
+    srv, _ = plain_server
+    response = httpx.post(srv.url + COMPLETIONS, json={**OK, "logit_bias": {key: 1}}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert repr(key[:20]) in response.json()["error"]["message"]
+
+
+def test_logit_bias_key_with_leading_zeros_is_its_id(
+        plain_server: tuple[BackgroundServer, Any]) -> None:
+    """'0...01' (5,001 digits) is token id 1, read without int()'s 4300-digit limit."""
+    srv, _ = plain_server
+    response = httpx.post(srv.url + COMPLETIONS, timeout=30,
+                          json={**OK, "logit_bias": {"0" * 5000 + "1": 1}})
+    assert response.status_code == 200, response.text
 
 
 def test_tiny_temperature_is_greedy_not_nan(plain_server: tuple[BackgroundServer, Any]) -> None:

@@ -176,16 +176,25 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """{"token id": bias} as sorted (id, bias) pairs; 400 for a key that is not a valid id."""
+    """{"token id": bias} as sorted (id, bias) pairs; 400 naming a key that is not a valid id.
+
+    A key is ASCII decimal digits only: str.isdigit() also accepts other scripts' digits ("١",
+    which int() reads as 1) and superscripts ("²", which int() refuses), and a key longer than
+    the largest id is refused before int() (which raises past 4300 digits).
+    """
     pairs = []
+    digits = len(str(vocab_size - 1))
     for key, value in (bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        number = key.lstrip("0") or "0"  # int() counts leading zeros against its limit too
+        if not (key.isascii() and key.isdigit() and len(number) <= digits
+                and int(number) < vocab_size):
             raise APIError(400, f"logit_bias key {key[:20]!r} is not a token id in "
-                                f"0..{vocab_size - 1}", "logit_bias", "invalid_value")
+                                f"0..{vocab_size - 1} (ASCII decimal digits)", "logit_bias",
+                           "invalid_value")
         if not math.isfinite(value):
             raise APIError(400, "logit_bias values must be finite", "logit_bias",
                            "invalid_value")
-        pairs.append((int(key), float(value)))
+        pairs.append((int(number), float(value)))
     return tuple(sorted(pairs))
 
 
