@@ -24,7 +24,6 @@ logits bit for bit, and commit hands the drafter the hidden rows of the position
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -144,14 +143,12 @@ class Generation:
     def adopt_prefill(self, template: Generation) -> None:
         """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
         if template.context[: self.prompt_len] != self.context or not template.prefilled or \
-                not hasattr(template.cache, "k") or self.wants_hidden:
+                not hasattr(template.cache, "copy_row") or self.wants_hidden:
             self.prefill()
             return
         n = self.prompt_len - 1
         self.cache = self.model.new_cache(1, self.capacity)
-        self.cache.k[:, 0, :, :n] = template.cache.k[:, template.row, :, :n]
-        self.cache.v[:, 0, :, :n] = template.cache.v[:, template.row, :, :n]
-        self.cache.lengths[0] = n
+        self.cache.copy_row(0, template.cache, template.row, n)
         self._prefilled = n
 
     def step(self) -> StepOutput:
@@ -380,10 +377,8 @@ class BatchEngine:
 
     def _adopt(self, gen: Generation) -> None:
         """Copy a prefilled request's KV into the next free row; it decodes from there on."""
-        row, n = len(self.active), gen.cache.lengths[0]
-        self.cache.k[:, row, :, :n] = gen.cache.k[:, 0, :, :n]
-        self.cache.v[:, row, :, :n] = gen.cache.v[:, 0, :, :n]
-        self.cache.lengths[row] = n
+        row = len(self.active)
+        self.cache.copy_row(row, gen.cache, 0, gen.cache.lengths[0])
         gen.cache, gen.row = self.cache, row
         self.active.append(gen)
         if self.controller is not None:  # seeded now, not when queued: the category's
@@ -395,13 +390,11 @@ class BatchEngine:
         row, last = gen.row, len(self.active) - 1
         if row != last:
             mover = self.active[last]
-            n = self.cache.lengths[last]
-            self.cache.k[:, row, :, :n] = self.cache.k[:, last, :, :n]
-            self.cache.v[:, row, :, :n] = self.cache.v[:, last, :, :n]
-            self.cache.lengths[row] = n
+            self.cache.move_row(last, row)
             mover.row = row
             self.active[row] = mover
-        self.cache.lengths[last] = 0
+        else:
+            self.cache.reset_row(last)
         self.active.pop()
         gen.cache = None
 
@@ -534,10 +527,7 @@ def draft_in_cache(model: Any, cache: Any, rows: list[int], steps: list[Rounds]
 def rows_view(cache: Any, first: int, n: int) -> Any:
     """The cache's rows first..first+n-1: views of the same storage, with a copy of their
     lengths."""
-    view = copy.copy(cache)
-    view.k, view.v = cache.k[:, first:first + n], cache.v[:, first:first + n]
-    view.lengths = cache.lengths[first:first + n]
-    return view
+    return cache.view(first, n)
 
 
 def fit_width(drafts: list[Draft], costs: CostModel, max_width: int | None = None

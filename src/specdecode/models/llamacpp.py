@@ -1,0 +1,409 @@
+"""The llama.cpp backend: a GGUF target run by llama.cpp's kernels (through llama-cpp-python's
+low-level C API), behind the same interface as the native runner, so the engine drives it
+unchanged: score explicit positions for several rows, return the logits asked for, roll back by
+length.
+
+Rows are llama.cpp sequences of one context. A cache (`LlamaCppCache`) holds sequence ids from
+the context's pool; scoring a batch is one `llama_decode` over every row's new tokens, each with
+its sequence id and absolute position; rolling back is `llama_memory_seq_rm` from the kept
+length; copying a prefilled prompt into a batch row is `llama_memory_seq_cp` (cells are shared,
+nothing is copied); a row that leaves hands its sequence id over instead of moving data.
+
+Exactness: speculation is token-identical to plain decoding only if a position's logits do not
+depend on what else is scored with it. Stock llama.cpp builds are not batch-invariant on CPU
+(the llamafile sgemm kernels pick blockings by shape), so `batch_invariance` scores a few
+positions alone and inside batches, and across two sequences, at load time, and the drafter
+registry refuses speculation on a target that fails it (drafters.registry.check_batch_invariant).
+docs/llamacpp.md gives the build flags that pass (`-DGGML_LLAMAFILE=OFF`, flash attention off).
+
+The logits returned are a zero-copy view of llama.cpp's output buffer at batch 1 (the engine
+uses them before its next call; anything kept must be copied); padded batches are gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.config import ModelConfig
+
+EXTRA = "llamacpp"  # pip install "specdecode[llamacpp]"
+PINNED = "0.3.36"
+BUILD_FLAGS = "-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DLLAMA_OPENSSL=OFF"
+FLASH_ATTN_DISABLED = 0  # llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
+DEFAULT_SEQUENCES = 24  # llama.cpp sequences per context: batch rows + prompts being prefilled
+
+
+def import_llama_cpp() -> Any:
+    """The llama_cpp module, or one clear error saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise SpecDecodeError(
+            "the llama.cpp backend needs llama-cpp-python: install the extra with "
+            f"CMAKE_ARGS=\"{BUILD_FLAGS}\" pip install \"specdecode[{EXTRA}]\" "
+            "(or run scripts/install_llamacpp.sh; see docs/llamacpp.md)"
+        ) from exc
+    return llama_cpp
+
+
+_LOG_CALLBACK: Any = None  # kept alive: llama.cpp calls it for as long as the process runs
+
+
+def _quiet(L: Any) -> None:
+    """Route llama.cpp's log lines to nowhere unless SPECDECODE_LLAMACPP_LOG is set."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is not None or os.environ.get("SPECDECODE_LLAMACPP_LOG"):
+        return
+
+    def drop(level: int, text: bytes, user: Any) -> None:
+        return None
+
+    _LOG_CALLBACK = L.llama_log_callback(drop)
+    L.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """How far a position's logits move with what else is scored with it (max |difference|)."""
+
+    widths: float  # alone against first of a 2..8-position batch of its own sequence
+    rows: float  # alone against the same tokens scored beside another sequence's
+    chunks: float  # 8 positions scored 1 at a time against 4 at a time
+
+    @property
+    def exact(self) -> bool:
+        return self.widths == 0.0 and self.rows == 0.0 and self.chunks == 0.0
+
+    def describe(self) -> str:
+        return (f"max |logit difference|: {self.widths:.3g} across draft widths, "
+                f"{self.rows:.3g} across batch rows, {self.chunks:.3g} across chunkings")
+
+
+class LlamaCppCache:
+    """Rows of a llama.cpp context: a sequence id and a committed length per row."""
+
+    def __init__(self, model: LlamaCppModel, batch: int, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self.seq_ids = model.take_sequences(batch)
+        self.lengths = [0] * batch
+        self._owned = list(self.seq_ids)
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def nbytes(self) -> int:
+        """KV bytes of the positions this cache's rows hold (llama.cpp allocates the context's
+        KV once; `LlamaCppModel.kv_bytes` is all of it)."""
+        return sum(self.lengths) * self.model.kv_bytes_per_token
+
+    def check_room(self, new_tokens: int, rows: list[int] | None = None) -> None:
+        for b in rows if rows is not None else range(self.batch):
+            if self.lengths[b] + new_tokens > self.capacity:
+                raise SpecDecodeError(
+                    f"context overflow: row {b} holds {self.lengths[b]} tokens, adding "
+                    f"{new_tokens} exceeds the cache capacity of {self.capacity} tokens"
+                )
+
+    def rollback(self, row: int, length: int) -> None:
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"rollback to {length} but row {row} holds {self.lengths[row]}")
+        if length < self.lengths[row]:
+            self.model.forget(self.seq_ids[row], length)
+        self.lengths[row] = length
+
+    def reset_row(self, row: int) -> None:
+        self.rollback(row, 0)
+
+    def keep(self, row: int, start: int, indices: torch.Tensor) -> None:
+        raise SpecDecodeError("token trees need the native runner (--backend native)")
+
+    def copy_row(self, dst: int, src_cache: Any, src: int, n: int) -> None:
+        """Make row `dst` hold the first `n` positions of `src_cache`'s row `src` (shared
+        cells: no data moves)."""
+        self.model.forget(self.seq_ids[dst], 0)
+        self.model.share(src_cache.seq_ids[src], self.seq_ids[dst], n)
+        self.lengths[dst] = n
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `src` becomes row `dst` (whose contents are dropped); `src` is left empty."""
+        self.model.forget(self.seq_ids[dst], 0)
+        self.seq_ids[dst], self.seq_ids[src] = self.seq_ids[src], self.seq_ids[dst]
+        self.lengths[dst], self.lengths[src] = self.lengths[src], 0
+
+    def view(self, first: int, n: int) -> LlamaCppCache:
+        """Rows first..first+n-1 (the same sequences) with a copy of their lengths."""
+        out = object.__new__(LlamaCppCache)
+        out.model, out.capacity = self.model, self.capacity
+        out.seq_ids = self.seq_ids[first:first + n]
+        out.lengths = self.lengths[first:first + n]
+        out._owned = []
+        return out
+
+    def release(self) -> None:
+        if self._owned:
+            self.model.return_sequences(self._owned)
+            self._owned = []
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at exit the context may already be gone
+            self.release()
+
+
+class LlamaCppModel:
+    """A GGUF target on llama.cpp. `cfg` is the checkpoint's config as the native runner reads
+    it (vocabulary, context length, EOS ids); everything runs in llama.cpp."""
+
+    backend = "llama.cpp"
+    rows_independent = True
+
+    def __init__(self, path: Path, cfg: ModelConfig, *, threads: int | None = None,
+                 n_ctx: int = 16384, sequences: int = DEFAULT_SEQUENCES,
+                 flash_attn: bool = False) -> None:
+        L = import_llama_cpp()
+        _quiet(L)
+        L.llama_backend_init()
+        self.L, self.cfg, self.path = L, cfg, path
+        cores = os.cpu_count() or 1
+        self.threads = threads or min(cores, torch.get_num_threads())
+        if self.threads > cores:
+            raise SpecDecodeError(f"--threads {self.threads} is more than this machine's "
+                                  f"{cores} cores")
+        mp = L.llama_model_default_params()
+        self._model = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self._model:
+            raise SpecDecodeError(f"{path}: llama.cpp cannot load this GGUF")
+        vocab = L.llama_model_get_vocab(self._model)
+        n_vocab = int(L.llama_vocab_n_tokens(vocab))
+        if n_vocab != cfg.vocab_size:
+            raise SpecDecodeError(f"{path}: llama.cpp reads a vocabulary of {n_vocab} tokens, "
+                                  f"the checkpoint's config {cfg.vocab_size}")
+        self.vocab_size = n_vocab
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = 512
+        cp.n_ubatch = 512
+        cp.n_seq_max = sequences
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.flash_attn_type = 1 if flash_attn else FLASH_ATTN_DISABLED
+        cp.kv_unified = True
+        cp.no_perf = True
+        self._ctx = L.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            L.llama_model_free(self._model)
+            raise SpecDecodeError(f"{path}: llama.cpp could not create a context of {n_ctx} "
+                                  "tokens")
+        self.n_ctx = int(L.llama_n_ctx(self._ctx))
+        self.flash_attn = flash_attn
+        self._mem = L.llama_get_memory(self._ctx)
+        self._free = list(range(sequences))
+        self.capacity_per_row = min(cfg.max_position, self.n_ctx)
+        self._batch_size = 512
+        self._batch = L.llama_batch_init(self._batch_size, 0, 1)
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        self.invariance: Invariance | None = None
+
+    # --- sequences --------------------------------------------------------------------------
+
+    def take_sequences(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise SpecDecodeError(
+                f"the llama.cpp context has {len(self._free)} free sequences, {n} asked for "
+                f"(a batch row or a prompt being prefilled takes one; raise --max-batch less)")
+        taken, self._free = self._free[:n], self._free[n:]
+        for s in taken:
+            self.forget(s, 0)
+        return taken
+
+    def return_sequences(self, ids: list[int]) -> None:
+        for s in ids:
+            self.forget(s, 0)
+        self._free.extend(ids)
+
+    def forget(self, seq: int, start: int) -> None:
+        self.L.llama_memory_seq_rm(self._mem, seq, start, -1)
+
+    def share(self, src: int, dst: int, n: int) -> None:
+        self.L.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+
+    # --- the runner interface ---------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def precision(self) -> str:
+        return "gguf"
+
+    def new_cache(self, batch: int, capacity: int) -> LlamaCppCache:
+        # llama.cpp's KV is allocated once with the context: a cache is sequence ids, and its
+        # capacity the most a row can hold (a grown cache would only have to be refilled)
+        return LlamaCppCache(self, batch, max(capacity, self.capacity_per_row))
+
+    def weight_bytes(self) -> int:
+        return int(self.L.llama_model_size(self._model))
+
+    def kv_bytes(self) -> int:
+        return self.n_ctx * self.kv_bytes_per_token
+
+    def version(self) -> str:
+        return str(getattr(self.L, "__version__", "unknown"))
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # (B, T) int64
+        cache: LlamaCppCache,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        num_new: Sequence[int] | None = None,
+        logits_for: str | torch.Tensor = "all",
+        layers: Sequence[int] | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Score T new positions per row (row b: its first num_new[b]); logits (B, T', V)."""
+        if tree_mask is not None or layers is not None or return_hidden or positions is not None:
+            raise SpecDecodeError("token trees, explicit positions, layer skipping and hidden "
+                                  "states need the native runner (--backend native)")
+        B, T = tokens.shape
+        news = [T] * B if num_new is None else [int(n) for n in num_new]
+        cache.check_room(T)
+        if isinstance(logits_for, torch.Tensor):
+            wanted = [int(i) for i in logits_for.tolist()]
+        elif logits_for == "all":
+            wanted = list(range(T))
+        elif logits_for == "last":
+            wanted = [-1]
+        elif logits_for == "none":
+            wanted = []
+        else:
+            raise ValueError(f"logits_for={logits_for!r}")
+        ids = tokens.tolist()
+        outputs: list[list[int]] = []  # per row, the output index of each wanted position
+        total = sum(news)
+        if total > self._batch_size:  # a long prompt: in chunks, outputs from the last only
+            return self._chunked(tokens, cache, news, wanted)
+        batch, n_out, i = self._batch, 0, 0
+        for b in range(B):
+            n, start, seq = news[b], cache.lengths[b], cache.seq_ids[b]
+            want = {w % n if n else 0 for w in wanted if n and -n <= w < max(n, T)}
+            row: list[int] = []
+            for t in range(n):
+                batch.token[i] = ids[b][t]
+                batch.pos[i] = start + t
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                out = t in want
+                batch.logits[i] = out
+                if out:
+                    row.append(n_out)
+                    n_out += 1
+                i += 1
+            outputs.append(row)
+        batch.n_tokens = i
+        if i:
+            self._decode(batch)
+        for b in range(B):
+            cache.lengths[b] += news[b]
+        if not wanted:
+            return torch.zeros(B, 0, 0)
+        flat = self._logits(n_out)  # (n_out, V), a view of llama.cpp's buffer
+        width = T if logits_for == "all" or isinstance(logits_for, torch.Tensor) else 1
+        if B == 1 and len(outputs[0]) == width:
+            return flat[None]
+        padded = torch.zeros(B, width, self.vocab_size)
+        for b, row in enumerate(outputs):
+            if row:
+                padded[b, : len(row)] = flat[row[0]: row[0] + len(row)]
+        return padded
+
+    def _chunked(self, tokens: torch.Tensor, cache: LlamaCppCache, news: list[int],
+                 wanted: list[int]) -> torch.Tensor:
+        if tokens.shape[0] != 1 or any(w not in (-1, news[0] - 1) for w in wanted):
+            raise SpecDecodeError(f"llama.cpp backend: at most {self._batch_size} positions per "
+                                  "call with logits, or one row's prompt")
+        n = news[0]
+        out = torch.zeros(1, 0, 0)
+        for s in range(0, n, self._batch_size):
+            e = min(n, s + self._batch_size)
+            last = e == n and bool(wanted)
+            out = self(tokens[:, s:e], cache, logits_for="last" if last else "none")
+        return out.clone() if wanted else out
+
+    def _decode(self, batch: Any) -> None:
+        rc = self.L.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise SpecDecodeError(f"llama_decode failed (code {rc}): the context of "
+                                  f"{self.n_ctx} tokens is full or the batch is malformed")
+
+    def _logits(self, n: int) -> torch.Tensor:
+        ptr = self.L.llama_get_logits(self._ctx)
+        arr = np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size))
+        return torch.from_numpy(arr)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self.L.llama_batch_free(self._batch)
+            self.L.llama_free(self._ctx)
+            self.L.llama_model_free(self._model)
+            self._ctx = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def batch_invariance(model: LlamaCppModel, context: int = 48) -> Invariance:
+    """Score positions alone and in other batch shapes; the largest logit difference seen.
+
+    widths: the position after `context` tokens alone, then first of 2, 4 and 8 positions.
+    rows: the same position scored alone, then in one call beside another sequence's 3 tokens.
+    chunks: 8 positions one call at a time against two calls of 4.
+    """
+    rng = np.random.default_rng(0)
+    prefix = torch.tensor(rng.integers(100, model.vocab_size, size=(1, context + 8)))
+    nxt = prefix[:, context:]
+    solo, pair = model.new_cache(1, context + 16), model.new_cache(2, context + 16)
+    try:
+        model(prefix[:, :context], solo, logits_for="none")
+
+        def scored(toks: torch.Tensor, keep: bool = False) -> torch.Tensor:
+            out = model(toks, solo)[0].clone()
+            if not keep:
+                solo.rollback(0, context)
+            return out
+
+        alone = scored(nxt[:, :1])[0]
+        widths = max(float((scored(nxt[:, :w])[0] - alone).abs().max()) for w in (2, 4, 8))
+        pair.copy_row(0, solo, 0, context)
+        pair.copy_row(1, solo, 0, context)
+        both = torch.stack([nxt[0, :3], prefix[0, 1:4]])
+        rows = float((model(both, pair, num_new=[1, 3])[0, 0] - alone).abs().max())
+        ones = torch.cat([scored(nxt[:, t:t + 1], keep=True) for t in range(8)])
+        solo.rollback(0, context)
+        fours = torch.cat([scored(nxt[:, s:s + 4], keep=True) for s in (0, 4)])
+        chunks = float((ones - fours).abs().max())
+    finally:
+        solo.release()
+        pair.release()
+    return Invariance(widths, rows, chunks)
+
+
+def load_llamacpp(path: Path, cfg: ModelConfig, threads: int | None = None,
+                  check: bool = True) -> LlamaCppModel:
+    """Load a GGUF on llama.cpp and measure its batch invariance (see the module docstring)."""
+    model = LlamaCppModel(path, cfg, threads=threads)
+    if check:
+        model.invariance = batch_invariance(model)
+    return model
