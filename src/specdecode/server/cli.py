@@ -43,6 +43,10 @@ def register(subparsers: Any) -> None:
                    help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} if set)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: its name)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="parse special-token strings (<|im_start|>...) in chat message contents "
+                        "as control tokens: only for trusted callers (default: tokenized as "
+                        "text, so no user can forge another turn)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     # a wide step delays every request in the batch, not only the one whose draft widened it:
@@ -60,6 +64,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_queue=args.max_queue,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         served_model_name=args.served_model_name, max_step_cost=args.max_step_cost,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
     )
     options.check()
     return options

@@ -22,6 +22,7 @@ from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 from specdecode.server.errors import APIError
 from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from specdecode.server.tokens import PromptEncoder
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 # Below this temperature sampling is greedy (as in vLLM): dividing float32 logits by a smaller
@@ -42,6 +43,7 @@ class ServedModel:
     k: int  # draft length, or the cap under the controller; 0 without a drafter
     window: int  # prompt + max_tokens limit (see the module docstring)
     created: int  # unix time the server started
+    prompts: PromptEncoder  # tokenizes prompts (message contents as text)
 
     @property
     def vocab_size(self) -> int:
@@ -95,7 +97,7 @@ def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
                            "prompt", "unsupported_value")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return served.tokenizer.encode_prompt(prompt)
+        return served.prompts.completion(prompt)
     ids = [int(t) for t in prompt if isinstance(t, int)]
     if any(t >= served.vocab_size for t in ids):
         raise APIError(400, f"prompt token ids must be below the vocabulary size "
@@ -104,7 +106,8 @@ def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
 
 
 def chat_prompt(req: ChatCompletionRequest, served: ServedModel) -> list[int]:
-    """Token ids of the messages rendered with the model's chat template."""
+    """Token ids of the messages rendered with the model's chat template (their contents
+    tokenized as text: see specdecode.server.tokens)."""
     tok = served.tokenizer
     if tok.chat_template is None:
         raise APIError(400, "this model has no chat template: use /v1/completions",
@@ -112,7 +115,7 @@ def chat_prompt(req: ChatCompletionRequest, served: ServedModel) -> list[int]:
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _text(m.content)} for m in req.messages]
     try:
-        return tok.encode_prompt(tok.apply_chat_template(messages))
+        return served.prompts.chat(messages)
     except (SpecDecodeError, TemplateError, TypeError, ValueError) as exc:
         raise APIError(400, f"the chat template refused these messages: {exc}",
                        "messages", "invalid_value") from exc

@@ -20,6 +20,7 @@ from specdecode.models.loading import LoadedModel
 from specdecode.server.errors import APIError
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.prepare import ServedModel
+from specdecode.server.tokens import PromptEncoder
 from specdecode.server.worker import EngineWorker
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
@@ -40,6 +41,8 @@ class ServeOptions:
     served_model_name: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     max_step_cost: float | None = None  # under auto: the controller's tail-latency cap
+    # parse special-token strings in chat message contents as control tokens (trusted callers)
+    allow_special_tokens_in_content: bool = False
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
@@ -102,6 +105,7 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
         name=name, loaded_name=loaded.name, model=model, tokenizer=tok,
         eos_ids=tuple(sorted(set(tok.eos_ids) | set(model.cfg.eos_token_ids))),
         make_drafter=factory, k=k, window=window, created=int(time.time()),
+        prompts=PromptEncoder(tok, options.allow_special_tokens_in_content),
     )
     metrics = ServerMetrics(name)
     if controller is not None and controller.guard is not None:
