@@ -1,8 +1,9 @@
 """`specdecode serve`: the OpenAI-compatible server (`register` adds it to the CLI's parser).
 
-It binds 127.0.0.1 unless told otherwise. With --api-key (or SPECDECODE_API_KEY) every /v1/*
-and /metrics request needs `Authorization: Bearer KEY`. Every check that can fail on the
-user's input runs before the model loads; a taken port is one error line, not a traceback.
+It binds 127.0.0.1 unless told otherwise. With --api-key (or SPECDECODE_API_KEY) every request
+but /health (/v1/*, /metrics, /openapi.json) needs `Authorization: Bearer KEY`. Every check
+that can fail on the user's input runs before the model loads; a taken port is one error line,
+not a traceback.
 The server's packages (the `server` extra) are imported only when `serve` runs.
 """
 

@@ -14,11 +14,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdecode.server.errors import APIError
 
-PROTECTED_PREFIXES = ("/v1/", "/metrics")
+OPEN_PATHS = frozenset({"/health"})  # liveness probes; every other path needs the key
 
 
 class ApiKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on /v1/* and /metrics (/health stays open)."""
+    """Require `Authorization: Bearer <key>` on every path but /health: /v1/*, /metrics, the
+    OpenAPI schema (/openapi.json describes the whole API) and any path that would be a 404."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -71,7 +72,7 @@ class _ClientGone(Exception):
 
 
 def _protected(path: str) -> bool:
-    return path.startswith(PROTECTED_PREFIXES)
+    return path not in OPEN_PATHS
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
