@@ -161,8 +161,8 @@ class Specdecode:
 
         if threads is not None:
             torch.set_num_threads(threads)
-        self.threads = threads
-        self.loaded = load_model(_path(model), precision, backend)
+        self.threads, self.backend, self.model_spec = threads, backend, _path(model)
+        self.loaded = load_model(self.model_spec, precision, backend)
         self.drafter, self.k, self.auto = drafter, k, auto
         self.max_step_cost = max_step_cost
         tok = self.loaded.tokenizer
@@ -278,6 +278,7 @@ class Specdecode:
             raise SpecDecodeError(f"batch_sizes must be integers >= 1, got {batch_sizes!r}")
         args.workload = _path(workload)
         args.configs = configs
+        args.model, args.backend = self.model_spec, self.backend
         args.precision = self.loaded.precision
         args.threads = self.threads
         args.batch_sizes = ",".join(str(b) for b in sizes)
