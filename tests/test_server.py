@@ -281,6 +281,8 @@ def test_queue_full_is_429_and_the_rest_complete(tiny: LoadedModel,
         assert refused.value.status_code == 429
         body: Any = refused.value.body
         assert body["type"] == "rate_limit_error" and "full" in body["message"]
+        assert refused.value.response.headers["Retry-After"] == "1"
+        assert metric(srv, "requests_refused_total", reason="server_busy") == 1
         gate.set()
         for stream in streams:
             finishes = [ch.choices[0].finish_reason for ch in stream if ch.choices]

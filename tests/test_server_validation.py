@@ -73,6 +73,10 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("empty-stop", COMPLETIONS, {**OK, "stop": ""}, 400, "stop", "invalid_value"),
     ("n-above-one", COMPLETIONS, {**OK, "n": 2}, 400, "n", "unsupported_value"),
     ("logprobs", CHAT, {**OK_CHAT, "logprobs": True}, 400, "logprobs", "unsupported_value"),
+    ("tool-choice-required-without-tools", CHAT, {**OK_CHAT, "tools": [],
+     "tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
+    ("tool-choice-named-without-tools", CHAT, {**OK_CHAT, "tool_choice": {
+        "type": "function", "function": {"name": "f"}}}, 400, "tool_choice", "invalid_value"),
     ("logit-bias-not-a-token", COMPLETIONS, {**OK, "logit_bias": {"abc": 1}}, 400, "logit_bias",
      "invalid_value"),
     ("logit-bias-superscript-digit", COMPLETIONS, {**OK, "logit_bias": {"\u00b2": 1}}, 400,

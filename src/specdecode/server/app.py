@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 import specdecode
 from specdecode.sampling import SamplingParams
 from specdecode.server import prepare
-from specdecode.server.errors import install_handlers
+from specdecode.server.errors import APIError, UnexpectedErrorMiddleware, install_handlers
 from specdecode.server.metrics import CONTENT_TYPE
 from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,10 +42,15 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="specdecode", version=specdecode.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
-    install_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes)
+
+    def observe(error: APIError) -> None:
+        state.metrics.observe_refused(error.reason)
+
+    install_handlers(app, observe)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes, observe=observe)
     if state.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)  # outermost: runs first
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key, observe=observe)
+    app.add_middleware(UnexpectedErrorMiddleware, observe=observe)  # outermost: runs first
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -1,20 +1,24 @@
 """OpenAI-style errors: every failure a client sees is {"error": {message, type, param, code}}.
 
-Handlers installed by `install_handlers` turn request-validation failures into 400s, routing
-failures (unknown path, wrong method) into their 4xx, and anything unexpected into a logged 500
-with the same body shape, so no client ever sees a traceback or an empty reply.
+Handlers installed by `install_handlers` turn request-validation failures into 400s and routing
+failures (unknown path, wrong method) into their 4xx; `UnexpectedErrorMiddleware` turns anything
+unexpected into a 500 with the same body shape, logged once (a handler registered for Exception
+would let Starlette re-raise it, and uvicorn would log a second traceback), so no client ever
+sees a traceback or an empty reply. Every error answered is passed to an observer (the server
+counts them by code in /metrics: requests_refused_total{reason}).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("specdecode.server")
 
@@ -22,6 +26,7 @@ _TYPES = {
     401: ("authentication_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "server_busy"),
     500: ("server_error", "internal_error"),
@@ -36,7 +41,8 @@ class APIError(Exception):
     """A request the server refuses: an HTTP status and an OpenAI-style error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, error_type: str | None = None) -> None:
+                 code: str | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         default_type, default_code = _TYPES.get(status, ("invalid_request_error", None))
         self.status = status
@@ -44,12 +50,26 @@ class APIError(Exception):
         self.param = param
         self.code = code or default_code
         self.error_type = error_type or default_type
+        self.headers = dict(headers or {})  # e.g. Retry-After on a 429 or a 503
+
+    @property
+    def reason(self) -> str:
+        """The label this error is counted under: its code, else its status."""
+        return self.code or f"http_{self.status}"
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status,
+                            headers={**self.headers, **(headers or {})})
+
+
+Observer = Callable[[APIError], None]  # told of every error answered (metrics)
+
+
+def ignore_error(error: APIError) -> None:
+    return None
 
 
 def error_body(message: str, error_type: str, param: str | None = None,
@@ -94,33 +114,60 @@ def validation_api_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param, "invalid_value")
 
 
-async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, APIError)
-    return exc.response()
+def install_handlers(app: FastAPI, observe: Observer = ignore_error) -> None:
+    """Register the handlers that give every error the OpenAI body shape (add
+    UnexpectedErrorMiddleware for the rest); `observe` is told of each error answered."""
+
+    def answer(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+        observe(error)
+        return error.response(headers)
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return answer(exc)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return answer(validation_api_error(exc))
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        status = exc.status_code if 400 <= exc.status_code < 600 else 400
+        message = str(exc.detail) if exc.detail else "request refused"
+        if status == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return answer(APIError(status, message), dict(exc.headers or {}))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
 
 
-async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    return validation_api_error(exc).response()
+class UnexpectedErrorMiddleware:
+    """An exception no handler took: logged once with its traceback, answered with a 500 body
+    (when the response has not started; a started one ends where it was)."""
 
+    def __init__(self, app: ASGIApp, observe: Observer = ignore_error) -> None:
+        self.app = app
+        self.observe = observe
 
-async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
-    status = exc.status_code if 400 <= exc.status_code < 600 else 400
-    message = str(exc.detail) if exc.detail else "request refused"
-    if status == 404:
-        message = f"no route {request.method} {request.url.path}"
-    return APIError(status, message).response(headers=dict(exc.headers or {}))
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
 
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
-async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error serving %s %s", request.method, request.url.path)
-    return APIError(500, "internal server error (logged on the server)").response()
-
-
-def install_handlers(app: FastAPI) -> None:
-    """Register the handlers that give every error the OpenAI body shape."""
-    app.add_exception_handler(APIError, _on_api_error)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_unexpected)
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("unexpected error serving %s %s", scope.get("method"),
+                          scope.get("path"))
+            error = APIError(500, "internal server error (logged on the server)")
+            self.observe(error)
+            if not started:
+                await error.response()(scope, receive, send)

@@ -19,7 +19,12 @@ Names follow vLLM's (without its "vllm:" prefix), so one scraper or report reads
 - spec_decode_guard_holds (under --k auto): times the controller's guard held speculation off
   because its speculative steps realized fewer tokens/s than plain steps (control.PayGuard);
 - prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
-  (stop, length, abort) counters.
+  (stop, length, abort) counters;
+- requests_refused_total{reason}: requests answered with an error instead of a generation, by
+  error code (server_busy: the 429 of a full queue; shutting_down; invalid_value,
+  context_length_exceeded, ...: 4xx; request_too_large; request_timeout; invalid_api_key;
+  not_found; internal_error: a 500), and header_timeout for connections closed before their
+  request's headers arrived.
 
 Every series carries the label model_name. Counters and histograms are thread-safe: the engine
 thread updates the speculation counters and gauges, the event loop the per-request ones.
@@ -90,6 +95,8 @@ class ServerMetrics:
                                           registry=r).labels(model_name)
         self._success = Counter("request_success", "Finished requests, by finish reason.",
                                 [*m, "finished_reason"], registry=r)
+        self._refused = Counter("requests_refused", "Requests answered with an error, by reason.",
+                                [*m, "reason"], registry=r)
         self._memory = Gauge("memory_bytes", "Memory by component (bytes).",
                              [*m, "component"], registry=r)
         self._memory.labels(model_name, "peak_rss").set_function(_peak_rss_bytes)
@@ -129,6 +136,10 @@ class ServerMetrics:
         self._kv_rows_used.set(used_rows)
         self._kv_rows.set(rows)
         self._kv_usage.set(used_tokens / capacity_tokens if capacity_tokens else 0.0)
+
+    def observe_refused(self, reason: str) -> None:
+        """One request refused (or failed before generating) for `reason`."""
+        self._refused.labels(self.model_name, reason).inc()
 
     def observe_first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

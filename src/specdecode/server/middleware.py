@@ -12,7 +12,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdecode.server.errors import APIError
+from specdecode.server.errors import APIError, Observer, ignore_error
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes; every other path needs the key
 
@@ -21,14 +21,17 @@ class ApiKeyMiddleware:
     """Require `Authorization: Bearer <key>` on every path but /health: /v1/*, /metrics, the
     OpenAPI schema (/openapi.json describes the whole API) and any path that would be a 404."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, observe: Observer = ignore_error) -> None:
         self.app = app
         self._key = api_key.encode("utf-8")
+        self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _protected(scope["path"]) and not self._allowed(scope):
-            error = APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)")
-            await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            error = APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
+                             headers={"WWW-Authenticate": "Bearer"})
+            self.observe(error)
+            await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -44,9 +47,10 @@ class ApiKeyMiddleware:
 class BodyLimitMiddleware:
     """Refuse request bodies over `max_bytes` with 413, before any parsing."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, observe: Observer = ignore_error) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,17 +58,21 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is None or declared > self.max_bytes:
-            error = _length_error(declared, self.max_bytes)
-            await error.response()(scope, receive, send)
+            await self._refuse(_length_error(declared, self.max_bytes), scope, receive, send)
             return
         try:
             body = await _read_body(receive, self.max_bytes)
         except _ClientGone:
             return
         if body is None:
-            await _length_error(self.max_bytes + 1, self.max_bytes).response()(scope, receive, send)
+            await self._refuse(_length_error(self.max_bytes + 1, self.max_bytes), scope, receive,
+                               send)
             return
         await self.app(scope, _replay(body, receive), send)
+
+    async def _refuse(self, error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+        self.observe(error)
+        await error.response()(scope, receive, send)
 
 
 class _ClientGone(Exception):

@@ -82,6 +82,11 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_value")
     if req.tools:
         raise APIError(400, "tools are not supported", "tools", "unsupported_value")
+    choice = req.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        # "required" or a named function: a tool call that no tool can make
+        raise APIError(400, "tool_choice must be 'none' or 'auto' without tools (this server "
+                            "supports none)", "tool_choice", "invalid_value")
     kind = (req.response_format or {}).get("type", "text")
     if kind != "text":
         raise APIError(400, f"response_format type '{kind}' is not supported (text only)",

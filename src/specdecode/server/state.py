@@ -24,6 +24,7 @@ from specdecode.server.tokens import PromptEncoder
 from specdecode.server.worker import EngineWorker
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
+RETRY_AFTER_S = 1  # Retry-After of a 429: a slot frees when any running request ends
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class ServerState:
         """
         if self.inflight >= self.max_inflight:
             raise APIError(429, f"the server is full ({self.inflight} requests running or "
-                                "queued); retry later")
+                                "queued); retry later",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         self.inflight += 1
 
     def release(self) -> None:
