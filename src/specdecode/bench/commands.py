@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec
 from specdecode.bench.workloads import Prompt, Workload, load_default_workload, load_workload
 from specdecode.errors import SpecDecodeError
@@ -38,6 +39,11 @@ TUNE_K_VALUES = "1,2,3,4,6,8"
 TUNE_PROMPTS = 3
 TUNE_MAX_TOKENS = 32
 RESERVED_KEYS = ("k", "temperature", "name")
+PEER_DEFAULT_K = {"llamacpp-generate": "1", "llamacpp-lookup": "10"}  # its own default
+# On the llama.cpp backend: plain and prompt lookup under the controller (it verifies only the
+# draft prefix expected to pay at the measured t(B, T)), a fixed k for comparison, and
+# llama-cpp-python's own plain decoding and prompt-lookup speculation as peers.
+LLAMACPP_CONFIGS = "plain;ngram:k=auto;ngram:k=4;llamacpp-generate;llamacpp-lookup:k=10"
 BENCH_DESCRIPTION = """\
 Measure plain and speculative decoding side by side on a workload (interleaved, same prompts),
 write results.jsonl, report.json and a self-contained report.html, and print a summary with a
@@ -69,9 +75,10 @@ numbers of concurrent requests. --model is the model id to request (default: the
 
 def known_drafters() -> tuple[str, ...]:
     """Drafter names the registry knows ("none" is plain decoding)."""
+    from specdecode.bench.peers import PEERS
     from specdecode.drafters.registry import DRAFTERS
 
-    return tuple(DRAFTERS)
+    return (*DRAFTERS, *PEERS)
 
 
 def _parse_k(value: str, item: str) -> int | Literal["auto"]:
@@ -129,7 +136,8 @@ def _valid_kmax(value: object) -> bool:
 
 def default_name(drafter: str, k: int | Literal["auto"], temperature: float | None) -> str:
     """"plain" or "<drafter>-k<k>", with "-t<temperature>" when it overrides the prompts'."""
-    name = "plain" if drafter == "none" else f"{drafter}-k{k}"
+    name = "plain" if drafter == "none" else drafter if drafter == "llamacpp-generate" else \
+        f"{drafter}-k{k}"
     return name if temperature is None else f"{name}-t{temperature:g}"
 
 
@@ -147,7 +155,7 @@ def parse_config(item: str, precision: str) -> ConfigSpec:
         if "k" in pairs:
             raise SpecDecodeError(f"config {item!r}: plain decoding takes no k")
     else:
-        k = _parse_k(pairs.get("k", "4"), item)
+        k = _parse_k(pairs.get("k", PEER_DEFAULT_K.get(drafter, "4")), item)
     temperature = _parse_temperature(pairs["temperature"], item) if "temperature" in pairs \
         else None
     options: dict[str, Any] = {key: option_value(v) for key, v in pairs.items()
@@ -180,11 +188,13 @@ def parse_configs(text: str, precision: str) -> list[ConfigSpec]:
     return configs
 
 
-def default_configs_text() -> str:
+def default_configs_text(backend: str = "auto") -> str:
     """plain; prompt lookup then the w4a16 copy at k=3 (the drafter that paid most in
     benchmarks/drafters.py: best of those measured on every built-in and Spec-Bench category at
     batch 1, greedy, 1.4-2.3x plain); each of its two parts alone, the w4a16 copy at k=3 (1.2-1.5x
     everywhere) and ngram k=4, so the report shows what the combination adds."""
+    if backend in ("llama.cpp", "llamacpp"):
+        return LLAMACPP_CONFIGS
     items = ["plain", "ngram+w4a16:k=3", "w4a16:k=3"]
     if "ngram" in known_drafters():
         items.append("ngram:k=4")
@@ -291,7 +301,7 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     if getattr(args, "endpoint", None):
         configs = endpoint_configs_from(args)
     else:
-        configs = parse_configs(args.configs or default_configs_text(), args.precision)
+        configs = parse_configs(args.configs or default_configs_text(args.backend), args.precision)
         check_invariant_target(args.precision, configs)
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     grid = config_grid(configs, batch_sizes)
@@ -453,7 +463,7 @@ def tune_drafters(text: str | None) -> list[str]:
     """--drafters as names; default: every registered drafter that needs no extra argument."""
     known = known_drafters()
     if text is None:
-        return [d for d in known if d not in ("none", "draft-model")]
+        return [d for d in known if d not in ("none", "draft-model") and not is_peer(d)]
     names = [d.strip() for d in text.split(",") if d.strip()]
     unknown = [d for d in names if d not in known or d == "none"]
     if unknown or not names:

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from specdecode import __version__, engine
 from specdecode.audit import audit_sampled
 from specdecode.bench.costcurves import cost_curve, repeating_context, target_rows
+from specdecode.bench.peers import LlamaCppPeers, is_peer
 from specdecode.bench.records import (
     AuditVerdict,
     ConfigSpec,
@@ -272,6 +273,21 @@ def config_k(config: ConfigSpec) -> int:
     return k
 
 
+def backend_version(model: Any) -> str:
+    """The version of the library behind the backend (llama-cpp-python, torch)."""
+    version = getattr(model, "version", None)
+    return str(version()) if callable(version) else f"torch {torch.__version__}"
+
+
+def exactness(model: Any) -> str | None:
+    """The load-time batch-invariance measure of a llama.cpp target (models.llamacpp)."""
+    measured = getattr(model, "invariance", None)
+    if measured is None:
+        return None
+    verdict = "batch-invariant" if measured.exact else "NOT batch-invariant"
+    return f"{verdict} ({measured.describe()})"
+
+
 class InProcessRunner:
     """The Runner protocol on this package's engine, for one loaded target model.
 
@@ -305,6 +321,7 @@ class InProcessRunner:
         self._controllers: dict[tuple[str, int], Controller] = {}
         self._audits: dict[tuple[str, int, float], AuditVerdict] = {}
         self._hash: str | None = None
+        self._peers: LlamaCppPeers | None = None
 
     # ---------------------------------------------------------------- protocol: description
 
@@ -318,6 +335,8 @@ class InProcessRunner:
             "precision": self.loaded.precision, "weight_hash": self._hash,
             "torch_threads": torch.get_num_threads(), "accelerator": None,
             "details": {"backend": self.loaded.backend, "source": str(self.loaded.source),
+                        "backend_version": backend_version(self.loaded.model),
+                        "exactness": exactness(self.loaded.model),
                         "torch": torch.__version__, "specdecode": __version__,
                         "chat_template": self.chat and
                         self.loaded.tokenizer.chat_template is not None,
@@ -352,7 +371,7 @@ class InProcessRunner:
 
     def factory(self, config: ConfigSpec) -> DrafterFactory | None:
         """The config's drafter factory, built on first use (weights loaded once)."""
-        if config.is_plain:
+        if config.is_plain or is_peer(config.drafter):
             return None
         key = factory_key(config)
         if key not in self._factories:
@@ -369,6 +388,9 @@ class InProcessRunner:
         """Refuse what cannot run before anything is measured; builds every drafter factory."""
         for config in configs:
             config_k(config)
+            if is_peer(config.drafter) and self.loaded.backend != "llama.cpp":
+                raise SpecDecodeError(f"config {config.name}: the llama-cpp-python peers run "
+                                      "beside the llama.cpp backend (--backend llama.cpp)")
             self.factory(config)
 
     # ------------------------------------------------------------------- protocol: run
@@ -393,6 +415,8 @@ class InProcessRunner:
     def _generate(self, requests: Sequence[TurnRequest], config: ConfigSpec) -> list[Finished]:
         factory, k = self.factory(config), config_k(config)
         model, tok = self.loaded.model, self.loaded.tokenizer
+        if is_peer(config.drafter):
+            return [self._peer(config, r) for r in requests]
         drafters = [factory() if factory else None for _ in requests]
         if config.batch_size == 1 and config.k != "auto":
             return [generate_one(model, tok, r, d, k, self.eos_ids)
@@ -401,6 +425,21 @@ class InProcessRunner:
         if config.k == "auto":
             controller = self._controllers.setdefault(config.key, Controller(kmax=k))
         return generate_batch(model, tok, requests, drafters, k, self.eos_ids, controller)
+
+    def _peer(self, config: ConfigSpec, request: TurnRequest) -> Finished:
+        """One request through a llama-cpp-python peer (bench.peers); batch 1 only."""
+        if config.batch_size != 1:
+            raise SpecDecodeError(f"config {config.name}: peers run at batch size 1")
+        if self._peers is None:
+            model = self.loaded.model
+            self._peers = LlamaCppPeers(self.loaded.source, model.threads, self.capacity + 64)
+        trace = RequestTrace(time.perf_counter())
+        tokens, counters = self._peers.generate(config.drafter, config_k(config),
+                                                request.prompt_ids, request.params,
+                                                self.loaded.tokenizer, self.eos_ids, trace)
+        if trace.done is None:
+            trace.done = time.perf_counter()
+        return Finished(tokens, trace, counters, 0, 0, 0)
 
     def _observe(self, config: ConfigSpec, request: TurnRequest, done: Finished) -> None:
         """Keep the largest KV caches, for memory(), and the latest request at each sampled
@@ -440,7 +479,8 @@ class InProcessRunner:
         """
         groups: dict[str, list[ConfigSpec]] = {}
         for c in configs:
-            if not c.is_plain and c.batch_size == 1 and model_part(c.drafter) is None:
+            if not c.is_plain and c.batch_size == 1 and model_part(c.drafter) is None \
+                    and not is_peer(c.drafter):
                 groups.setdefault(factory_key(c), []).append(c)
         if not groups:
             return []
@@ -466,7 +506,7 @@ class InProcessRunner:
 
         None when no request of `config` ran in this process (e.g. all of it was resumed).
         """
-        if config.key not in self._kv:
+        if config.key not in self._kv or is_peer(config.drafter):
             return None
         target = self.loaded.model
         draft = 0

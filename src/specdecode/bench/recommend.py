@@ -20,6 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec, RequestSample
 from specdecode.bench.stats import (
     Analysis,
@@ -112,8 +113,8 @@ def is_on(analysis: Analysis, s: ConfigSummary) -> bool:
 
 def _by_name(analysis: Analysis) -> dict[str, list[ConfigSummary]]:
     out: dict[str, list[ConfigSummary]] = {}
-    for s in analysis.configs:
-        if not s.spec.is_plain:
+    for s in analysis.configs:  # peers (bench.peers) are measured beside, never recommended
+        if not s.spec.is_plain and not is_peer(s.spec.drafter):
             out.setdefault(s.spec.name, []).append(s)
     for runs in out.values():
         runs.sort(key=lambda s: s.spec.batch_size)
