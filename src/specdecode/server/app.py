@@ -1,15 +1,20 @@
 """The routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 A generation request goes: schema validation (pydantic, strict) -> model name and unsupported
-fields -> prompt tokenized and sampling parameters checked (in a worker thread: a long prompt
-never stalls the event loop) -> admission (429 when running + queued requests are at the limit)
--> submitted to the engine thread -> streamed as SSE or collected into one JSON body. Every
-refusal before submission is a 4xx with an OpenAI error body; once submitted, the request's
-`Submission.close()` runs however it ends, cancelling an unfinished generation at once.
+fields -> prompt size in bytes (a prompt that cannot fit is refused before any tokenizing) ->
+admission (429 when running + queued + still-tokenizing requests are at the limit) -> prompt
+tokenized and sampling parameters checked (in a worker thread, the tokenizer releasing the GIL:
+a long prompt never stalls the event loop; long prompts one at a time on a thread of their
+own) -> submitted to the engine thread -> streamed as SSE
+or collected into one JSON body. Every refusal before submission is a 4xx with an OpenAI error
+body; once submitted, the request's `Submission.close()` runs however it ends, cancelling an
+unfinished generation at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +32,7 @@ from specdecode.server.errors import APIError, UnexpectedErrorMiddleware, instal
 from specdecode.server.metrics import CONTENT_TYPE
 from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest
-from specdecode.server.state import ServerState
+from specdecode.server.state import LONG_PROMPT_BYTES, ServerState
 from specdecode.server.streaming import EventStream, Shape, Submission, collect, stream_events
 
 
@@ -39,6 +44,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.worker.start()
         yield
         state.worker.stop()
+        state.long_prompts.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specdecode", version=specdecode.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
@@ -96,10 +102,15 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
         prepare.check_chat(req)
     else:
         prepare.check_completion(req)
-    prompt_ids, params = await run_in_threadpool(_prompt_and_params, served, req)
-    gen = prepare.new_generation(served, prompt_ids, params)
-    state.admit()
+    size = prepare.check_prompt_size(served, req)
+    state.admit()  # before tokenizing: pending tokenization counts against the queue
     try:
+        if size > LONG_PROMPT_BYTES:  # one at a time, behind no short prompt (see state)
+            prompt_ids, params = await asyncio.get_running_loop().run_in_executor(
+                state.long_prompts, functools.partial(_prompt_and_params, served, req))
+        else:
+            prompt_ids, params = await run_in_threadpool(_prompt_and_params, served, req)
+        gen = prepare.new_generation(served, prompt_ids, params)
         sub = Submission(state.worker, gen, state.metrics, state.release)
     except BaseException:
         state.release()

@@ -44,6 +44,10 @@ def register(subparsers: Any) -> None:
                    help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} if set)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: its name)")
+    p.add_argument("--max-prompt-bytes", type=int, default=None,
+                   help="refuse prompt text over this many UTF-8 bytes before tokenizing "
+                        "(default: the context window x the vocabulary's longest token in "
+                        "bytes, more than any prompt that fits can hold)")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="parse special-token strings (<|im_start|>...) in chat message contents "
                         "as control tokens: only for trusted callers (default: tokenized as "
@@ -66,6 +70,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         served_model_name=args.served_model_name, max_step_cost=args.max_step_cost,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        max_prompt_bytes=args.max_prompt_bytes,
     )
     options.check()
     return options

@@ -5,6 +5,9 @@ this server loaded (its name and the name /v1/models lists); nothing in a reques
 
 Context: a request fits when prompt + max_tokens <= `ServedModel.window`, the smaller of the
 model's context and what one row of the shared KV cache holds after the draft room (k + 1).
+Before any tokenization, `check_prompt_size` refuses a prompt over `max_prompt_bytes` of text
+(by default window x the vocabulary's longest token in bytes: more text than that cannot fit
+the window), so a huge prompt costs the server no tokenizing.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class ServedModel:
     window: int  # prompt + max_tokens limit (see the module docstring)
     created: int  # unix time the server started
     prompts: PromptEncoder  # tokenizes prompts (message contents as text)
+    max_prompt_bytes: int  # longer prompt text is refused before tokenizing
 
     @property
     def vocab_size(self) -> int:
@@ -91,6 +95,35 @@ def check_chat(req: ChatCompletionRequest) -> None:
     if kind != "text":
         raise APIError(400, f"response_format type '{kind}' is not supported (text only)",
                        "response_format", "unsupported_value")
+
+
+def check_prompt_size(served: ServedModel,
+                      req: CompletionRequest | ChatCompletionRequest) -> int:
+    """400 for a prompt too long to fit the window, decided without tokenizing: text over
+    `max_prompt_bytes` UTF-8 bytes, or more token ids than the window. Returns the bytes of
+    text to tokenize."""
+    size, ids = 0, 0
+    if isinstance(req, ChatCompletionRequest):
+        param = "messages"
+        size = sum(len(_text(m.content).encode("utf-8")) for m in req.messages)
+    else:
+        param = "prompt"
+        for part in req.prompt if isinstance(req.prompt, list) else [req.prompt]:
+            if isinstance(part, str):
+                size += len(part.encode("utf-8"))
+            elif isinstance(part, list):
+                ids = max(ids, len(part))
+            else:
+                ids += 1
+    if size > served.max_prompt_bytes:
+        raise APIError(400, f"the prompt is {size} bytes; this server's context of "
+                            f"{served.window} tokens holds at most {served.max_prompt_bytes} "
+                            "bytes of text", param, "context_length_exceeded")
+    if ids > served.window:
+        raise APIError(400, f"the prompt is {ids} tokens; this server's context is "
+                            f"{served.window} tokens (prompt + max_tokens)", param,
+                       "context_length_exceeded")
+    return size
 
 
 def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:

@@ -7,7 +7,11 @@ the batch engine over one shared KV cache (with the controller and its measured 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +29,18 @@ from specdecode.server.worker import EngineWorker
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 RETRY_AFTER_S = 1  # Retry-After of a 429: a slot frees when any running request ends
+# Prompts over this many bytes of text are tokenized one at a time on a thread of their own
+# (~10-30 ms of work at this size), at a lower CPU priority: a burst of long prompts then takes
+# one core at most, yields it to the engine and the event loop, and never queues ahead of short
+# prompts, which go to the shared worker threads.
+LONG_PROMPT_BYTES = 32 * 1024
+LONG_PROMPT_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Run this thread at a higher nice value (Linux: per thread; elsewhere a no-op)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LONG_PROMPT_NICE)
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,9 @@ class ServeOptions:
     max_step_cost: float | None = None  # under auto: the controller's tail-latency cap
     # parse special-token strings in chat message contents as control tokens (trusted callers)
     allow_special_tokens_in_content: bool = False
+    # prompt text over this many UTF-8 bytes is refused before tokenizing (None: the window x
+    # the vocabulary's longest token, a size no prompt that fits can exceed)
+    max_prompt_bytes: int | None = None
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
@@ -53,6 +72,8 @@ class ServeOptions:
             raise SpecDecodeError(f"--max-seq-len must be >= 16, got {self.max_seq_len}")
         if self.max_queue < 0:
             raise SpecDecodeError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
+            raise SpecDecodeError(f"--max-prompt-bytes must be >= 1, got {self.max_prompt_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise SpecDecodeError("--api-key must not be empty")
 
@@ -66,6 +87,8 @@ class ServerState:
     max_body_bytes: int
     api_key: str | None
     inflight: int = field(default=0)
+    long_prompts: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="specdecode-tokenize", initializer=_lower_priority))
 
     def admit(self) -> None:
         """Count one more request in flight, or refuse it with 429 when the server is full.
@@ -103,11 +126,13 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
         controller = Controller(kmax=k, costs=costs, max_step_cost=options.max_step_cost)
     engine = BatchEngine(model, options.max_batch, options.max_seq_len, controller=controller)
     name = options.served_model_name or loaded.name
+    prompts = PromptEncoder(tok, options.allow_special_tokens_in_content)
     served = ServedModel(
         name=name, loaded_name=loaded.name, model=model, tokenizer=tok,
         eos_ids=tuple(sorted(set(tok.eos_ids) | set(model.cfg.eos_token_ids))),
         make_drafter=factory, k=k, window=window, created=int(time.time()),
-        prompts=PromptEncoder(tok, options.allow_special_tokens_in_content),
+        prompts=prompts,
+        max_prompt_bytes=options.max_prompt_bytes or window * prompts.longest_token_bytes,
     )
     metrics = ServerMetrics(name)
     if controller is not None and controller.guard is not None:

@@ -19,6 +19,15 @@ A prompt whose contents hold no special-token string takes the plain path: the s
 
 /v1/completions prompts keep special-token parsing: there the caller writes the whole prompt,
 markers included, and no other party's turn is in it to forge.
+
+Encoding goes through `encode_batch`, which releases the GIL while it works (`encode` holds it:
+a 1 MB prompt stopped every other thread, the event loop included, for over a second). The
+server runs it in a worker thread, so even a long prompt never stalls other requests.
+
+`longest_token_bytes` (the vocabulary's longest entry, in UTF-8 bytes as stored) bounds how
+much text one token can cover for byte-level BPE and SentencePiece vocabularies (a stored entry
+is never shorter than the text it stands for), which gives the server a size no prompt that
+fits its context can exceed (`ServedModel.max_prompt_bytes`), checked before tokenizing.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ class PromptEncoder:
         self._special_re = (re.compile("|".join(map(re.escape, self.special_strings)))
                             if self.special_strings else None)
         self._bos = tokenizer.token_id(tokenizer.bos_token)
+        vocab = self._hf.get_vocab(with_added_tokens=True)
+        self.longest_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1)
 
     def completion(self, text: str) -> list[int]:
         """A /v1/completions prompt: special-token parsing on (see the module docstring)."""
@@ -86,7 +97,8 @@ class PromptEncoder:
 
     @staticmethod
     def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool = False) -> Encoding:
-        return hf.encode(text, add_special_tokens=add_special_tokens)
+        # encode_batch, unlike encode, releases the GIL (see the module docstring)
+        return hf.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def _finish(self, encoding: Encoding) -> list[int]:
         """The ids, without a doubled BOS (as Tokenizer.encode_prompt)."""
