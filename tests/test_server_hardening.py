@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import subprocess
 import sys
 import time
@@ -257,3 +258,93 @@ def test_pending_tokenization_counts_against_the_queue(smollm: LoadedModel) -> N
         assert 429 in statuses and set(statuses) <= {400, 429}, statuses
         assert all(r.headers["Retry-After"] == "1" for s, _, r in results if s == 429)
         assert metric(srv, "requests_refused_total", reason="server_busy") == statuses.count(429)
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float | None:
+    """Seconds until the server closes `sock` (None if still open after `seconds`), sending
+    `trickle` one byte every 0.1 s meanwhile; whatever the server sent is read and dropped."""
+    start = time.monotonic()
+    sock.settimeout(0.1)
+    sent = 0
+    while time.monotonic() - start < seconds:
+        try:
+            if trickle:
+                sock.sendall(trickle[sent % len(trickle):sent % len(trickle) + 1])
+                sent += 1
+            if sock.recv(65536) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except OSError:  # reset or broken pipe: closed
+            return time.monotonic() - start
+    return None
+
+
+def test_slow_clients_are_cut_while_others_are_served(tiny: LoadedModel) -> None:  # noqa: F811
+    """Slowloris: a connection that sends nothing, one that sends its headers a byte at a
+    time, and a keep-alive one that trickles its second request are closed once the header
+    timeout (1 s here) passes; a body sent a byte at a time gets a 408 once the body timeout
+    (1 s) passes. Meanwhile normal requests are served. (Before: all stayed open.)"""
+    from specdecode.server import cli, connections, state
+
+    assert cli.HEADER_TIMEOUT_S == connections.HEADER_TIMEOUT_S
+    assert cli.BODY_TIMEOUT_S == state.BODY_TIMEOUT_S
+    with serving(tiny, drafter="none", header_timeout=1.0, body_timeout=1.0) as (srv, _):
+        host, port = "127.0.0.1", int(srv.url.rsplit(":", 1)[1])
+        headers = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nX-Padding: " + b"a" * 200 + b"\r\n")
+        body = json.dumps({"model": "tiny", "prompt": "t3", "max_tokens": 2}).encode()
+        whole = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+
+        def silent() -> float | None:
+            with socket.create_connection((host, port)) as sock:
+                return _closed_within(sock, 5)
+
+        def slow_headers() -> float | None:
+            with socket.create_connection((host, port)) as sock:
+                return _closed_within(sock, 5, headers)
+
+        def slow_second_request() -> float | None:
+            with socket.create_connection((host, port)) as sock:
+                sock.sendall(whole)
+                sock.settimeout(10)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+                return _closed_within(sock, 5, headers)
+
+        def slow_body() -> tuple[bytes, float | None]:
+            with socket.create_connection((host, port)) as sock:
+                sock.sendall(whole.split(b"\r\n\r\n")[0] + b"\r\n\r\n")
+                start = time.monotonic()
+                sock.settimeout(0.1)
+                reply = b""
+                for byte in body:
+                    try:
+                        sock.sendall(bytes([byte]))
+                        reply += sock.recv(65536)
+                    except TimeoutError:
+                        pass
+                    except OSError:
+                        break
+                    if reply or time.monotonic() - start > 5:
+                        break
+                return reply, time.monotonic() - start
+
+        with ThreadPoolExecutor(4) as pool:
+            slow = [pool.submit(f) for f in (silent, slow_headers, slow_second_request)]
+            sent_slowly = pool.submit(slow_body)
+            served = []
+            for _ in range(5):
+                start = time.perf_counter()
+                response = httpx.post(f"{srv.url}/v1/completions", timeout=10,
+                                      json={"model": "tiny", "prompt": "t3 t4", "max_tokens": 2})
+                served.append((response.status_code, time.perf_counter() - start))
+                time.sleep(0.2)
+            closed = [f.result(timeout=30) for f in slow]
+            reply, body_s = sent_slowly.result(timeout=30)
+        assert all(status == 200 and seconds < 2 for status, seconds in served), served
+        assert all(c is not None and 0.8 < c < 2.5 for c in closed), closed
+        assert reply.startswith(b"HTTP/1.1 408") and body_s is not None and body_s < 2.5, reply
+        assert b"request_timeout" in reply
+        assert metric(srv, "requests_refused_total", reason="header_timeout") == 3
+        assert metric(srv, "requests_refused_total", reason="request_timeout") == 1

@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 import specdecode
 from specdecode.sampling import SamplingParams
 from specdecode.server import prepare
+from specdecode.server.connections import ConnectionLimits
 from specdecode.server.errors import APIError, UnexpectedErrorMiddleware, install_handlers
 from specdecode.server.metrics import CONTENT_TYPE
 from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -53,7 +54,10 @@ def create_app(state: ServerState) -> FastAPI:
         state.metrics.observe_refused(error.reason)
 
     install_handlers(app, observe)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes, observe=observe)
+    app.state.connection_limits = ConnectionLimits(
+        state.header_timeout, lambda: state.metrics.observe_refused("header_timeout"))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes,
+                       timeout=state.body_timeout, observe=observe)
     if state.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key, observe=observe)
     app.add_middleware(UnexpectedErrorMiddleware, observe=observe)  # outermost: runs first

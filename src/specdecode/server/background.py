@@ -16,6 +16,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from specdecode.errors import SpecDecodeError
+from specdecode.server.connections import limits_of, protocol_class
 
 GRACEFUL_SHUTDOWN_S = 5
 
@@ -36,9 +37,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_server(app: ASGIApp, log_level: str = "warning") -> uvicorn.Server:
-    """A uvicorn server for `app` (address given by the socket passed to run/serve)."""
+    """A uvicorn server for `app` (address given by the socket passed to run/serve), with the
+    header deadline `create_app` recorded on the app (see specdecode.server.connections)."""
     config = uvicorn.Config(app, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            http=protocol_class(limits_of(app)))
     return uvicorn.Server(config)
 
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 API_KEY_ENV = "SPECDECODE_API_KEY"
 SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 SERVE_MAX_STEP_COST = 1.5
+HEADER_TIMEOUT_S = 10.0  # = specdecode.server.connections.HEADER_TIMEOUT_S
+BODY_TIMEOUT_S = 60.0  # = specdecode.server.state.BODY_TIMEOUT_S
 
 
 def register(subparsers: Any) -> None:
@@ -44,6 +46,13 @@ def register(subparsers: Any) -> None:
                    help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} if set)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: its name)")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                   help="seconds a connection has to send a request's complete headers, from "
+                        "opening or its last response; then it is closed "
+                        f"(default {HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                   help="seconds a request has to send its complete body; then 408 "
+                        f"(default {BODY_TIMEOUT_S:g})")
     p.add_argument("--max-prompt-bytes", type=int, default=None,
                    help="refuse prompt text over this many UTF-8 bytes before tokenizing "
                         "(default: the context window x the vocabulary's longest token in "
@@ -71,6 +80,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         served_model_name=args.served_model_name, max_step_cost=args.max_step_cost,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         max_prompt_bytes=args.max_prompt_bytes,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
     )
     options.check()
     return options

@@ -1,13 +1,15 @@
-"""Two plain ASGI middlewares that run before any route: the API key and the body size limit.
+"""Two plain ASGI middlewares that run before any route: the API key and the body limits.
 
-The API key check runs first (outermost), so an unauthenticated client cannot make the server
-buffer a body. The body limit reads the whole body up front (refusing it with 413 as soon as it
-passes the limit, or at once when Content-Length says so), then replays it to the app; later
-receive() calls go to the client, so a disconnect is still seen.
+The API key check runs first, so an unauthenticated client cannot make the server buffer a
+body. The body limit reads the whole body up front (refusing it with 413 as soon as it passes
+the size limit, or at once when Content-Length says so; with 408 when it has not all arrived
+within the body timeout, so a client sending a byte a second cannot hold a request open), then
+replays it to the app; later receive() calls go to the client, so a disconnect is still seen.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -45,11 +47,14 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuse request bodies over `max_bytes` with 413, before any parsing."""
+    """Refuse request bodies over `max_bytes` with 413, before any parsing, and bodies not
+    complete within `timeout` seconds with 408."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, observe: Observer = ignore_error) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 60.0,
+                 observe: Observer = ignore_error) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
         self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -61,8 +66,14 @@ class BodyLimitMiddleware:
             await self._refuse(_length_error(declared, self.max_bytes), scope, receive, send)
             return
         try:
-            body = await _read_body(receive, self.max_bytes)
+            async with asyncio.timeout(self.timeout):
+                body = await _read_body(receive, self.max_bytes)
         except _ClientGone:
+            return
+        except TimeoutError:
+            error = APIError(408, f"the request body did not arrive within {self.timeout:g} s",
+                             headers={"Connection": "close"})
+            await self._refuse(error, scope, receive, send)
             return
         if body is None:
             await self._refuse(_length_error(self.max_bytes + 1, self.max_bytes), scope, receive,

@@ -21,6 +21,7 @@ from specdecode.engine import BatchEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.memory import drafter_module, weight_bytes
 from specdecode.models.loading import LoadedModel
+from specdecode.server.connections import HEADER_TIMEOUT_S
 from specdecode.server.errors import APIError
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.prepare import ServedModel
@@ -28,6 +29,7 @@ from specdecode.server.tokens import PromptEncoder
 from specdecode.server.worker import EngineWorker
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
+BODY_TIMEOUT_S = 60.0  # a whole body of MAX_BODY_BYTES then needs >= 17 kB/s
 RETRY_AFTER_S = 1  # Retry-After of a 429: a slot frees when any running request ends
 # Prompts over this many bytes of text are tokenized one at a time on a thread of their own
 # (~10-30 ms of work at this size), at a lower CPU priority: a burst of long prompts then takes
@@ -63,6 +65,8 @@ class ServeOptions:
     # prompt text over this many UTF-8 bytes is refused before tokenizing (None: the window x
     # the vocabulary's longest token, a size no prompt that fits can exceed)
     max_prompt_bytes: int | None = None
+    header_timeout: float = HEADER_TIMEOUT_S  # seconds for a request's complete headers
+    body_timeout: float = BODY_TIMEOUT_S  # seconds for its complete body (then 408)
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
@@ -74,6 +78,10 @@ class ServeOptions:
             raise SpecDecodeError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
             raise SpecDecodeError(f"--max-prompt-bytes must be >= 1, got {self.max_prompt_bytes}")
+        for flag, value in (("--header-timeout", self.header_timeout),
+                            ("--body-timeout", self.body_timeout)):
+            if not value > 0:
+                raise SpecDecodeError(f"{flag} must be > 0 seconds, got {value}")
         if self.api_key is not None and not self.api_key.strip():
             raise SpecDecodeError("--api-key must not be empty")
 
@@ -86,6 +94,8 @@ class ServerState:
     max_inflight: int  # requests decoding + queued; one more is refused with 429
     max_body_bytes: int
     api_key: str | None
+    header_timeout: float = HEADER_TIMEOUT_S
+    body_timeout: float = BODY_TIMEOUT_S
     inflight: int = field(default=0)
     long_prompts: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="specdecode-tokenize", initializer=_lower_priority))
@@ -142,7 +152,7 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
                        engine.cache.nbytes())
     return ServerState(served, EngineWorker(engine, metrics), metrics,
                        options.max_batch + options.max_queue, options.max_body_bytes,
-                       options.api_key)
+                       options.api_key, options.header_timeout, options.body_timeout)
 
 
 def _draft_weight_bytes(factory: Any, model: Any) -> int:
