@@ -160,6 +160,17 @@ def test_invariance_check_sees_a_shape_dependent_model(tiny: Any, monkeypatch: p
     assert not measured.exact and measured.widths > 0
 
 
+def test_a_unified_kv_cache_is_caught_by_the_invariance_check(tmp_path: Path) -> None:
+    """Negative control for the backend's one-stream-per-row layout: in llama.cpp's unified KV
+    cache a row's cells move with what other rows hold, and so do its logits."""
+    from specdecode.models.llamacpp import batch_invariance
+
+    folder = make_checkpoint(tmp_path / "t", seed=6, scale=4.0, num_hidden_layers=2, **SMALL)
+    cfg = write_gguf(folder, tmp_path / "t.gguf")
+    unified = LlamaCppModel(tmp_path / "t.gguf", cfg, threads=1, sequences=4, unified_kv=True)
+    assert batch_invariance(unified, context=120).rows > 0
+
+
 def exact_pairs(target: Any, params: SamplingParams) -> dict[tuple[int, int], float]:
     ctx = torch.tensor(PROMPT)
     empty = torch.zeros(0, dtype=torch.long)

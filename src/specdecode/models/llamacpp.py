@@ -40,7 +40,9 @@ EXTRA = "llamacpp"  # pip install "specdecode[llamacpp]"
 PINNED = "0.3.36"
 BUILD_FLAGS = "-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DLLAMA_OPENSSL=OFF"
 FLASH_ATTN_DISABLED = 0  # llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
-DEFAULT_SEQUENCES = 24  # llama.cpp sequences per context: batch rows + prompts being prefilled
+DEFAULT_SEQUENCES = 10  # llama.cpp sequences per context: batch rows + prompts being prefilled
+SEQUENCES_ENV = "SPECDECODE_LLAMACPP_SEQUENCES"
+DEFAULT_ROW_TOKENS = 2048  # KV cells of each sequence (llama.cpp allocates them all at once)
 
 
 def import_llama_cpp() -> Any:
@@ -130,8 +132,8 @@ class LlamaCppCache:
         raise SpecDecodeError("token trees need the native runner (--backend native)")
 
     def copy_row(self, dst: int, src_cache: Any, src: int, n: int) -> None:
-        """Make row `dst` hold the first `n` positions of `src_cache`'s row `src` (shared
-        cells: no data moves)."""
+        """Make row `dst` hold the first `n` positions of `src_cache`'s row `src` (a copy
+        between KV streams)."""
         self.model.forget(self.seq_ids[dst], 0)
         self.model.share(src_cache.seq_ids[src], self.seq_ids[dst], n)
         self.lengths[dst] = n
@@ -169,8 +171,8 @@ class LlamaCppModel:
     rows_independent = True
 
     def __init__(self, path: Path, cfg: ModelConfig, *, threads: int | None = None,
-                 n_ctx: int = 16384, sequences: int = DEFAULT_SEQUENCES,
-                 flash_attn: bool = False) -> None:
+                 row_tokens: int = DEFAULT_ROW_TOKENS, sequences: int | None = None,
+                 flash_attn: bool = False, unified_kv: bool = False) -> None:
         L = import_llama_cpp()
         _quiet(L)
         L.llama_backend_init()
@@ -190,6 +192,10 @@ class LlamaCppModel:
             raise SpecDecodeError(f"{path}: llama.cpp reads a vocabulary of {n_vocab} tokens, "
                                   f"the checkpoint's config {cfg.vocab_size}")
         self.vocab_size = n_vocab
+        if sequences is None:
+            sequences = int(os.environ.get(SEQUENCES_ENV, DEFAULT_SEQUENCES))
+        row_tokens = min(row_tokens, cfg.max_position)
+        n_ctx = row_tokens if unified_kv else sequences * row_tokens
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = 512
@@ -197,7 +203,10 @@ class LlamaCppModel:
         cp.n_seq_max = sequences
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.flash_attn_type = 1 if flash_attn else FLASH_ATTN_DISABLED
-        cp.kv_unified = True
+        # one KV stream per sequence: a row's cells then sit at the same indices whatever the
+        # other rows hold, which keeps its attention's SIMD reductions (and so its logits) the
+        # same alone and in any batch; a unified cache interleaves rows' cells and does not
+        cp.kv_unified = unified_kv
         cp.no_perf = True
         self._ctx = L.llama_init_from_model(self._model, cp)
         if not self._ctx:
@@ -208,7 +217,7 @@ class LlamaCppModel:
         self.flash_attn = flash_attn
         self._mem = L.llama_get_memory(self._ctx)
         self._free = list(range(sequences))
-        self.capacity_per_row = min(cfg.max_position, self.n_ctx)
+        self.capacity_per_row = self.n_ctx if unified_kv else self.n_ctx // sequences
         self._batch_size = 512
         self._batch = L.llama_batch_init(self._batch_size, 0, 1)
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
@@ -220,7 +229,8 @@ class LlamaCppModel:
         if n > len(self._free):
             raise SpecDecodeError(
                 f"the llama.cpp context has {len(self._free)} free sequences, {n} asked for "
-                f"(a batch row or a prompt being prefilled takes one; raise --max-batch less)")
+                f"(a batch row, or a prompt being prefilled, takes one): set {SEQUENCES_ENV} "
+                "to twice the largest batch size, plus 2")
         taken, self._free = self._free[:n], self._free[n:]
         for s in taken:
             self.forget(s, 0)
@@ -232,10 +242,14 @@ class LlamaCppModel:
         self._free.extend(ids)
 
     def forget(self, seq: int, start: int) -> None:
-        self.L.llama_memory_seq_rm(self._mem, seq, start, -1)
+        if self._ctx:  # a cache outliving a closed model has nothing left to free
+            self.L.llama_memory_seq_rm(self._mem, seq, start, -1)
 
     def share(self, src: int, dst: int, n: int) -> None:
-        self.L.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        """Sequence `dst` holds the first `n` positions of `src`. Between KV streams llama.cpp
+        copies only whole sequences: copy it all, then drop the tail."""
+        self.L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self.forget(dst, n)
 
     # --- the runner interface ---------------------------------------------------------------
 
@@ -250,7 +264,7 @@ class LlamaCppModel:
     def new_cache(self, batch: int, capacity: int) -> LlamaCppCache:
         # llama.cpp's KV is allocated once with the context: a cache is sequence ids, and its
         # capacity the most a row can hold (a grown cache would only have to be refilled)
-        return LlamaCppCache(self, batch, max(capacity, self.capacity_per_row))
+        return LlamaCppCache(self, batch, self.capacity_per_row)
 
     def weight_bytes(self) -> int:
         return int(self.L.llama_model_size(self._model))
@@ -368,13 +382,16 @@ def batch_invariance(model: LlamaCppModel, context: int = 48) -> Invariance:
     """Score positions alone and in other batch shapes; the largest logit difference seen.
 
     widths: the position after `context` tokens alone, then first of 2, 4 and 8 positions.
-    rows: the same position scored alone, then in one call beside another sequence's 3 tokens.
+    rows: the same position scored alone, then in one call beside another sequence's 3 tokens,
+    then alone again with its context re-fed after a third sequence took the first free cells
+    (in a unified KV cache its cells then sit elsewhere: that moves its logits).
     chunks: 8 positions one call at a time against two calls of 4.
     """
     rng = np.random.default_rng(0)
     prefix = torch.tensor(rng.integers(100, model.vocab_size, size=(1, context + 8)))
     nxt = prefix[:, context:]
     solo, pair = model.new_cache(1, context + 16), model.new_cache(2, context + 16)
+    other = model.new_cache(1, context + 16)
     try:
         model(prefix[:, :context], solo, logits_for="none")
 
@@ -390,13 +407,18 @@ def batch_invariance(model: LlamaCppModel, context: int = 48) -> Invariance:
         pair.copy_row(1, solo, 0, context)
         both = torch.stack([nxt[0, :3], prefix[0, 1:4]])
         rows = float((model(both, pair, num_new=[1, 3])[0, 0] - alone).abs().max())
+        # the same prefix again, now after another sequence took the first free cells
+        solo.rollback(0, 0)
+        model(torch.flip(prefix, [1])[:, : context // 2 + 5], other, logits_for="none")
+        model(prefix[:, :context], solo, logits_for="none")
+        rows = max(rows, float((scored(nxt[:, :1])[0] - alone).abs().max()))
         ones = torch.cat([scored(nxt[:, t:t + 1], keep=True) for t in range(8)])
         solo.rollback(0, context)
         fours = torch.cat([scored(nxt[:, s:s + 4], keep=True) for s in (0, 4)])
         chunks = float((ones - fours).abs().max())
     finally:
-        solo.release()
-        pair.release()
+        for cache in (solo, pair, other):
+            cache.release()
     return Invariance(widths, rows, chunks)
 
 
