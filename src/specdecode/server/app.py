@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 import specdecode
 from specdecode.sampling import SamplingParams
-from specdecode.server import prepare
+from specdecode.server import prepare, shutdown
 from specdecode.server.connections import ConnectionLimits
 from specdecode.server.errors import APIError, UnexpectedErrorMiddleware, install_handlers
 from specdecode.server.metrics import CONTENT_TYPE
@@ -83,10 +83,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while the engine thread runs, 503 otherwise."""
-        ok = state.worker.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"},
-                            status_code=200 if ok else 503)
+        """200 while the engine thread runs and the server is not shutting down, else 503."""
+        ok = state.worker.alive and not state.draining
+        status = "ok" if ok else "draining" if state.draining else "engine stopped"
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -100,6 +100,8 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
                     request: Request) -> Response:
     """Validate, admit and run one generation request; stream it or answer with one body."""
     served = state.served
+    if state.draining:
+        raise shutdown.refusal()
     prepare.check_model(served, req.model)
     chat = isinstance(req, ChatCompletionRequest)
     if isinstance(req, ChatCompletionRequest):
@@ -115,6 +117,8 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
         else:
             prompt_ids, params = await run_in_threadpool(_prompt_and_params, served, req)
         gen = prepare.new_generation(served, prompt_ids, params)
+        if state.draining:  # began while this prompt was being tokenized
+            raise shutdown.refusal()
         sub = Submission(state.worker, gen, state.metrics, state.release)
     except BaseException:
         state.release()

@@ -7,10 +7,13 @@ its own server) and stops it on exit.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
-from types import TracebackType
+from collections.abc import Callable, Coroutine
+from types import FrameType, TracebackType
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -19,6 +22,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.server.connections import limits_of, protocol_class
 
 GRACEFUL_SHUTDOWN_S = 5
+Drain = Callable[[], Coroutine[Any, Any, None]]  # run on the first SIGTERM (server.shutdown)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -36,13 +40,40 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_server(app: ASGIApp, log_level: str = "warning") -> uvicorn.Server:
+def uvicorn_server(app: ASGIApp, log_level: str = "warning",
+                   drain: Drain | None = None) -> uvicorn.Server:
     """A uvicorn server for `app` (address given by the socket passed to run/serve), with the
-    header deadline `create_app` recorded on the app (see specdecode.server.connections)."""
+    header deadline `create_app` recorded on the app (see specdecode.server.connections); with
+    `drain`, a DrainingServer that runs it on the first SIGTERM or SIGINT."""
     config = uvicorn.Config(app, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             http=protocol_class(limits_of(app)))
-    return uvicorn.Server(config)
+    return uvicorn.Server(config) if drain is None else DrainingServer(config, drain)
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM/SIGINT runs `drain()` (see server.shutdown) while
+    it keeps serving, and exits when that ends; a second signal exits at once, as uvicorn."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._drain_requested = False
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self._drain_requested
+        super().handle_exit(sig, frame)  # records the signal (re-raised once the server ends)
+        if first:
+            self._drain_requested = True
+            self.should_exit = False  # on_tick sets it once the drain has ended
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+        if self._drain_task is not None and self._drain_task.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 class BackgroundServer:

@@ -27,6 +27,7 @@ SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 SERVE_MAX_STEP_COST = 1.5
 HEADER_TIMEOUT_S = 10.0  # = specdecode.server.connections.HEADER_TIMEOUT_S
 BODY_TIMEOUT_S = 60.0  # = specdecode.server.state.BODY_TIMEOUT_S
+SHUTDOWN_TIMEOUT_S = 30.0  # = specdecode.server.shutdown.SHUTDOWN_TIMEOUT_S
 
 
 def register(subparsers: Any) -> None:
@@ -53,6 +54,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
                    help="seconds a request has to send its complete body; then 408 "
                         f"(default {BODY_TIMEOUT_S:g})")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM/SIGINT: stop admitting (503), give the requests in flight "
+                        "this many seconds to finish, then end the rest with an error "
+                        f"(default {SHUTDOWN_TIMEOUT_S:g}; a second signal exits at once)")
     p.add_argument("--max-prompt-bytes", type=int, default=None,
                    help="refuse prompt text over this many UTF-8 bytes before tokenizing "
                         "(default: the context window x the vocabulary's longest token in "
@@ -81,6 +86,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         max_prompt_bytes=args.max_prompt_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        shutdown_timeout=args.shutdown_timeout,
     )
     options.check()
     return options
@@ -99,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdecode.models.loading import load_model
     from specdecode.server.app import create_app
     from specdecode.server.background import bind_socket, uvicorn_server
+    from specdecode.server.shutdown import drain
     from specdecode.server.state import build_state
 
     _check_k(args)
@@ -113,7 +120,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"specdecode: serving {state.served.name} at http://{host}:{port}/v1 "
           f"(drafter {options.drafter}, k {'auto' if options.auto else options.k})",
           file=sys.stderr)
-    uvicorn_server(create_app(state), args.log_level).run(sockets=[sock])
+    server = uvicorn_server(create_app(state), args.log_level,
+                            drain=lambda: drain(state, options.shutdown_timeout))
+    server.run(sockets=[sock])
     return 0
 
 

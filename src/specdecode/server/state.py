@@ -30,6 +30,7 @@ from specdecode.server.worker import EngineWorker
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 BODY_TIMEOUT_S = 60.0  # a whole body of MAX_BODY_BYTES then needs >= 17 kB/s
+SHUTDOWN_TIMEOUT_S = 30.0  # see specdecode.server.shutdown
 RETRY_AFTER_S = 1  # Retry-After of a 429: a slot frees when any running request ends
 # Prompts over this many bytes of text are tokenized one at a time on a thread of their own
 # (~10-30 ms of work at this size), at a lower CPU priority: a burst of long prompts then takes
@@ -67,6 +68,7 @@ class ServeOptions:
     max_prompt_bytes: int | None = None
     header_timeout: float = HEADER_TIMEOUT_S  # seconds for a request's complete headers
     body_timeout: float = BODY_TIMEOUT_S  # seconds for its complete body (then 408)
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # on SIGTERM: for in-flight requests to end
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
@@ -82,6 +84,9 @@ class ServeOptions:
                             ("--body-timeout", self.body_timeout)):
             if not value > 0:
                 raise SpecDecodeError(f"{flag} must be > 0 seconds, got {value}")
+        if not self.shutdown_timeout >= 0:
+            raise SpecDecodeError(f"--shutdown-timeout must be >= 0 seconds, got "
+                                  f"{self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key.strip():
             raise SpecDecodeError("--api-key must not be empty")
 
@@ -96,7 +101,9 @@ class ServerState:
     api_key: str | None
     header_timeout: float = HEADER_TIMEOUT_S
     body_timeout: float = BODY_TIMEOUT_S
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S
     inflight: int = field(default=0)
+    draining: bool = False  # shutting down: new requests get 503 (see server.shutdown)
     long_prompts: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="specdecode-tokenize", initializer=_lower_priority))
 
@@ -152,7 +159,8 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
                        engine.cache.nbytes())
     return ServerState(served, EngineWorker(engine, metrics), metrics,
                        options.max_batch + options.max_queue, options.max_body_bytes,
-                       options.api_key, options.header_timeout, options.body_timeout)
+                       options.api_key, options.header_timeout, options.body_timeout,
+                       options.shutdown_timeout)
 
 
 def _draft_weight_bytes(factory: Any, model: Any) -> int:

@@ -29,6 +29,7 @@ from specdecode.server.metrics import ServerMetrics
 from specdecode.server.worker import EngineFailure, EngineWorker, Event
 
 POLL_S = 0.25  # how often a waiting request checks for a gone client or a dead engine
+RETRY_AFTER_S = 5  # Retry-After of a 503 (the server shutting down): another instance, or later
 
 
 class ClientGone(Exception):
@@ -67,7 +68,8 @@ class Submission:
             event = await self._next(disconnected)
             if isinstance(event, EngineFailure):
                 self.finish_reason = "error"
-                raise APIError(event.status, event.message)
+                retry = {"Retry-After": str(RETRY_AFTER_S)} if event.status == 503 else None
+                raise APIError(event.status, event.message, code=event.code, headers=retry)
             self._observe(event)
             yield event
 

@@ -29,10 +29,12 @@ log = logging.getLogger("specdecode.server")
 
 @dataclass(frozen=True)
 class EngineFailure:
-    """A request ended by the server, not by generation: an HTTP status and a message."""
+    """A request ended by the server, not by generation: an HTTP status, a message, and the
+    error code the client sees (None: the status's default)."""
 
     message: str
     status: int = 500
+    code: str | None = None
 
 
 Event = StepOutput | EngineFailure
@@ -41,9 +43,10 @@ Deliver = Callable[[Event], None]
 
 @dataclass(frozen=True)
 class _Command:
-    kind: Literal["submit", "cancel", "stop"]
+    kind: Literal["submit", "cancel", "stop", "fail_all"]
     gen: Generation | None = None
     deliver: Deliver | None = None
+    failure: EngineFailure | None = None
 
 
 @dataclass
@@ -92,6 +95,11 @@ class EngineWorker:
         """Stop `gen` and free its cache row before the next step (no-op once it finished)."""
         self._commands.put(_Command("cancel", gen))
 
+    def fail_all(self, failure: EngineFailure) -> None:
+        """End every request the engine holds (running or queued) with `failure`, before the
+        next step; requests submitted later are served as usual."""
+        self._commands.put(_Command("fail_all", failure=failure))
+
     def _run(self) -> None:
         running = True
         while running:
@@ -120,6 +128,9 @@ class EngineWorker:
                 return True
 
     def _apply(self, command: _Command) -> bool:
+        if command.kind == "fail_all" and command.failure is not None:
+            self._fail(list(self._tracked), command.failure)
+            return True
         gen = command.gen
         if command.kind == "stop" or gen is None:
             return False
