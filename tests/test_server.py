@@ -361,7 +361,11 @@ def test_serve_cli_refuses_bad_options(tmp_path: Path) -> None:
     register(parser.add_subparsers(dest="command"))
     for argv, needle in ((["--max-batch", "0"], "--max-batch"), (["--k", "x"], "--k"),
                          (["--port", "70000"], "--port"),
-                         (["--max-step-cost", "0.9"], "--max-step-cost")):
+                         (["--max-step-cost", "0.9"], "--max-step-cost"),
+                         (["--header-timeout", "0"], "--header-timeout"),
+                         (["--body-timeout", "-1"], "--body-timeout"),
+                         (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+                         (["--max-prompt-bytes", "0"], "--max-prompt-bytes")):
         args = parser.parse_args(["serve", "--model", str(tmp_path), *argv])
         with pytest.raises(SpecDecodeError, match=needle):
             args.func(args)

@@ -1,7 +1,10 @@
 """An OpenAI-compatible HTTP server over the batched speculative engine.
 
 Layout: `protocol` (request schemas and response shapes), `errors` (OpenAI-style error bodies),
-`middleware` (API key, body size), `metrics` (Prometheus), `worker` (the one engine thread),
-`prepare` (a validated request -> a Generation), `streaming` (events -> SSE / JSON), `app`
-(the routes), `background` (run a server in a thread), `cli` (`specdecode serve`).
+`middleware` (API key, body size and time), `connections` (the header deadline), `metrics`
+(Prometheus), `worker` (the one engine thread), `tokens` (prompt tokenization: message contents
+as text, off the GIL), `prepare` (a validated request -> a Generation), `streaming` (events ->
+SSE / JSON), `app` (the routes), `shutdown` (the drain on SIGTERM), `background` (uvicorn
+servers, run in a thread or draining on signals), `cli` (`specdecode serve`). The limits and
+their flags: docs/serving-hardening.md.
 """
