@@ -54,6 +54,7 @@ def _plain(loaded: Any, ids: list[list[int]], tokens: list[int]) -> list[list[in
                          loaded.tokenizer.eos_ids)
         for _ in gen.run():
             pass
+        gen.release()  # its llama.cpp sequence back to the pool
         out.append(gen.output)
     return out
 
@@ -69,6 +70,7 @@ def _speculative(loaded: Any, ids: list[list[int]], tokens: list[int], batch: in
         for gen in gens:
             for _ in gen.run():
                 pass
+            gen.release()
     else:
         capacity = max(g.capacity for g in gens)
         for i in range(0, len(gens), batch):

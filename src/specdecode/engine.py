@@ -45,7 +45,7 @@ from specdecode.drafters.base import (
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
-from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits
+from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, uses_history
 from specdecode.stopping import StopChecker
 from specdecode.verify import VerifyResult, acceptance_probability, verify_chain, verify_greedy
 
@@ -219,13 +219,15 @@ class Generation:
 
     def _verify(self, logits: torch.Tensor, draft: Draft) -> tuple[VerifyResult, list[float]]:
         """Verification plus the per-position alpha samples sum_x min(p, q) it evaluated."""
-        ctx = ids_tensor(self.context)
         k = len(draft.tokens)
-        if self.params.greedy:
-            target = greedy_tokens(logits, self.params, ctx, self.prompt_len, draft.tokens)
+        if self.params.greedy:  # the context only where penalties read it (uses_history)
+            history = ids_tensor(self.context) if uses_history(self.params) else _EMPTY
+            target = greedy_tokens(logits, self.params, history, min(self.prompt_len,
+                                   len(history)), draft.tokens)
             result = verify_greedy(target, draft.tokens)
             seen = min(result.num_accepted + 1, k)
             return result, [float(target[i] == draft.tokens[i]) for i in range(seen)]
+        ctx = ids_tensor(self.context)
         p = probs_from_logits(logits, self.params, ctx, self.prompt_len, draft.tokens)
         result = verify_chain(p, draft.q, draft.tokens, self.generator)
         seen = min(result.num_accepted + 1, k)
