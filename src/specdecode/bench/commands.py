@@ -328,7 +328,8 @@ def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: i
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if loaded is None:
-        loaded = load_model(args.model, args.precision, args.backend)
+        loaded = load_model(args.model, args.precision, args.backend,
+                            max_batch=max(c.batch_size for c in plan.configs))
     runner = InProcessRunner(loaded, seed=plan.seed, default_max_tokens=default_max_tokens,
                              max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template,
                              audit_samples=getattr(args, "audit_samples", 0),

@@ -194,6 +194,7 @@ class LlamaCppModel:
         self.vocab_size = n_vocab
         if sequences is None:
             sequences = int(os.environ.get(SEQUENCES_ENV, DEFAULT_SEQUENCES))
+        sequences = max(sequences, 4)  # the load-time check takes 4
         row_tokens = min(row_tokens, cfg.max_position)
         n_ctx = row_tokens if unified_kv else sequences * row_tokens
         cp = L.llama_context_default_params()
@@ -423,9 +424,9 @@ def batch_invariance(model: LlamaCppModel, context: int = 48) -> Invariance:
 
 
 def load_llamacpp(path: Path, cfg: ModelConfig, threads: int | None = None,
-                  check: bool = True) -> LlamaCppModel:
+                  check: bool = True, sequences: int | None = None) -> LlamaCppModel:
     """Load a GGUF on llama.cpp and measure its batch invariance (see the module docstring)."""
-    model = LlamaCppModel(path, cfg, threads=threads)
+    model = LlamaCppModel(path, cfg, threads=threads, sequences=sequences)
     if check:
         model.invariance = batch_invariance(model)
     return model

@@ -183,19 +183,21 @@ def load_native(folder: Path, cfg: ModelConfig) -> torch.nn.Module:
 
 def load_model(
     spec: str | None = None, precision: str = "fp32", backend: str = "auto",
-    gemv_copy: bool | None = None,
+    gemv_copy: bool | None = None, max_batch: int = 1,
 ) -> LoadedModel:
     """Load --model (default: SmolLM2-135M-Instruct) on the native runner or the adapter.
 
     gemv_copy: on the native runner at fp32, hold each matrix a second time in the layout that
     makes one-row steps faster (LlamaModel.add_gemv_copies: plain decoding ~19% faster, weights
     held twice). Default: on, unless the environment sets SPECDECODE_GEMV_COPY=0.
+    max_batch: the largest batch the caller will run (the llama.cpp backend allocates a KV
+    stream per row and per prompt being prefilled up front: 2 * max_batch + 2 of them).
     """
     from specdecode.models.precision import apply_precision
 
     start = time.perf_counter()
     if backend in LLAMACPP_NAMES:
-        return load_on_llamacpp(spec, precision, start)
+        return load_on_llamacpp(spec, precision, start, sequences=2 * max_batch + 2)
     folder, source, name = resolve_folder(spec)
     raw = read_hf_config(folder)
     family = raw.get("model_type")
@@ -218,7 +220,7 @@ def load_model(
 
 
 def load_on_llamacpp(spec: str | None, precision: str, start: float,
-                     threads: int | None = None) -> LoadedModel:
+                     threads: int | None = None, sequences: int | None = None) -> LoadedModel:
     """A GGUF on the llama.cpp backend (models.llamacpp): the weights as the file stores them,
     the tokenizer and config from the same conversion the native runner uses (cached)."""
     from specdecode.models.llamacpp import import_llama_cpp, load_llamacpp
@@ -232,6 +234,8 @@ def load_on_llamacpp(spec: str | None, precision: str, start: float,
     if source.suffix != ".gguf":
         raise SpecDecodeError(f"{source}: the llama.cpp backend needs a .gguf file (--model)")
     cfg = config_from_hf(read_hf_config(folder), str(folder / "config.json"))
-    model = load_llamacpp(source, cfg, threads)
+    if sequences is not None and os.environ.get("SPECDECODE_LLAMACPP_SEQUENCES"):
+        sequences = None  # the user's setting wins
+    model = load_llamacpp(source, cfg, threads, sequences=sequences)
     return LoadedModel(model, Tokenizer(folder), name, source, "gguf",
                        time.perf_counter() - start)

@@ -114,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and options.api_key is None:
         print(f"specdecode: warning: listening on {args.host} without an API key",
               file=sys.stderr)
-    loaded = load_model(args.model, args.precision, args.backend)
+    loaded = load_model(args.model, args.precision, args.backend, max_batch=args.max_batch)
     state = build_state(loaded, options)
     host, port = sock.getsockname()[:2]
     print(f"specdecode: serving {state.served.name} at http://{host}:{port}/v1 "
