@@ -49,6 +49,7 @@ from drafters import SPECBENCH, run_one
 from specdecode.bench.workloads import load_workload
 from specdecode.control import expected_accepted
 from specdecode.costs import forward_costs, hardware
+from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.ngram import NgramDrafter, NgramIndex
 from specdecode.drafters.registry import drafter_factory
 from specdecode.models.loading import load_model
@@ -108,7 +109,7 @@ def suffix_match(tokens: list[int], max_n: int = 8) -> tuple[int, int]:
 def lookup(ngram: NgramDrafter, trace: Trace, m: int, k: int) -> tuple[list[int], float]:
     """The n-gram drafter's proposal and the tokens it expects accepted."""
     ctx = torch.tensor(trace.ids + trace.out[:m])
-    draft = ngram.propose(ctx, k, GREEDY, len(trace.ids), None)
+    draft = ngram.propose(DraftRequest(ctx, k, GREEDY, len(trace.ids)))
     expected = expected_accepted(draft.confidence) if draft.confidence else 0.0
     return draft.tokens.tolist(), expected
 

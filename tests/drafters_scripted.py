@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Draft
-from specdecode.sampling import SamplingParams
+from specdecode.drafters.base import Draft, Drafter, DraftRequest
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes from a known continuation: always right, always wrong, or right for a prefix."""
 
     def __init__(self, script: list[int], prompt_len: int, mode: str, right_for: int = 0,
@@ -25,7 +24,7 @@ class ScriptedDrafter:
             return right
         return (right + 1) % self.vocab
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        context, k = request.context, request.k
         done = len(context) - self.prompt_len
         return Draft(torch.tensor([self._token(done + j, j) for j in range(k)]), None)

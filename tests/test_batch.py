@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdecode.control import AlphaEstimate, Controller, CostModel, PayGuard, expected_tokens
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.faults import FaultyDrafter
 from specdecode.drafters.registry import drafter_factory
@@ -284,9 +284,9 @@ def test_draft_catch_up_is_not_counted_as_a_cost_per_draft_token(
 ) -> None:
     target, draft, _ = models
     plain = DraftModelDrafter(draft)
-    plain.propose(torch.tensor(PROMPT), 1, PARAMS, len(PROMPT), None)
+    plain.propose(DraftRequest(torch.tensor(PROMPT), 1, PARAMS, len(PROMPT)))
     assert plain.catch_up_ns > 0  # the first proposal feeds the whole prompt
-    plain.propose(torch.tensor([*PROMPT, 3]), 1, PARAMS, len(PROMPT), None)
+    plain.propose(DraftRequest(torch.tensor([*PROMPT, 3]), 1, PARAMS, len(PROMPT)))
     assert plain.catch_up_ns == 0  # then only the pending token: an ordinary draft step
     ctl = Controller(kmax=2, costs=CostModel(), probe_every=1000)
     engine = BatchEngine(target, 2, 64, controller=ctl)
@@ -394,7 +394,7 @@ def test_the_guard_holds_off_speculation_that_does_not_pay_and_tries_again() -> 
     assert paying.holds == 0 and spec >= 200 * paying.refresh_every / (paying.refresh_every + 1) - 1
 
 
-class Overconfident:
+class Overconfident(Drafter):
     """Always wrong, sure it is right (confidence 0.99 per token), and slow (15 ms a draft):
     the cost model believes every step of it pays."""
 
@@ -408,8 +408,8 @@ class Overconfident:
     def reset(self) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        k = request.k
         self.calls += 1
         time.sleep(0.015)
         return Draft(torch.full((k,), 7), None, (self.confidence,) * k)
@@ -455,7 +455,7 @@ def test_the_guard_turns_off_speculation_that_does_not_pay(smollm: LoadedModel,
     assert asked[True] < 0.5
 
 
-class _Lookup:
+class _Lookup(Drafter):
     """Free, confident drafts on every other step (a prompt lookup that matches half the time)."""
 
     name = "lookup"
@@ -466,15 +466,15 @@ class _Lookup:
     def reset(self) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        k = request.k
         self.calls += 1
         if self.calls % 2:
             return Draft(torch.full((k,), 7), None, (0.99,) * k)
         return Draft(torch.zeros(0, dtype=torch.long), None, ())
 
 
-class _SlowModel:
+class _SlowModel(Drafter):
     """A model drafter costing 20 ms per draft token."""
 
     name = "slow"
@@ -482,8 +482,8 @@ class _SlowModel:
     def reset(self) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        k = request.k
         time.sleep(0.02 * k)
         return Draft(torch.full((k,), 7), None)
 

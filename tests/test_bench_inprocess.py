@@ -28,6 +28,7 @@ from specdecode.bench.inprocess import (
 )
 from specdecode.bench.records import ConfigSpec, RequestSample
 from specdecode.bench.workloads import Prompt, Workload
+from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
@@ -250,18 +251,13 @@ def test_sampled_configs_get_a_statistical_audit(tiny: LoadedModel) -> None:
     assert runner.audit(batch2)[0].p_value == verdict.p_value  # reused, not rerun
 
 
-class NeverDrafts:
+class NeverDrafts(Drafter):
     """Proposes nothing: speculative decoding with it IS plain decoding."""
 
     name = "never"
 
-    def propose(self, *args: object) -> Any:
-        from specdecode.drafters.base import Draft
-
+    def propose(self, request: DraftRequest) -> Draft:
         return Draft(torch.zeros(0, dtype=torch.long), None)
-
-    def reset(self) -> None:
-        pass
 
 
 def test_sampled_audit_passes_a_config_that_is_plain_decoding(tiny: LoadedModel) -> None:

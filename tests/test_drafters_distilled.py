@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, DraftRequest
 from specdecode.drafters.distilled import (
     DEFAULT_DIR,
     DraftLayout,
@@ -113,7 +113,8 @@ def test_saved_draft_loads_back_with_bf16_weights(tiny: torch.nn.Module, shipped
 def test_q_is_zero_outside_the_draft_vocabulary(tiny: torch.nn.Module, shipped: Path) -> None:
     drafter = DraftModelDrafter(load_distilled(shipped, tiny), "distilled", 32)
     params = SamplingParams(temperature=1.0, seed=0)
-    draft = drafter.propose(torch.tensor(PROMPT), 3, params, 2, torch.Generator().manual_seed(0))
+    draft = drafter.propose(DraftRequest(torch.tensor(PROMPT), 3, params, 2,
+                                         torch.Generator().manual_seed(0)))
     assert draft.q is not None and draft.q.shape == (3, V)
     assert (draft.q[:, SUBSET:] == 0).all() and (draft.tokens < SUBSET).all()
     torch.testing.assert_close(draft.q.sum(-1), torch.ones(3))
@@ -164,9 +165,9 @@ class FullVocabQ(DraftModelDrafter):
         super().__init__(model, "broken", 16)
         self.full = full
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
-        draft = super().propose(context, k, params, prompt_len, generator)
+    def propose(self, request: DraftRequest) -> Draft:
+        context, k, params = request.context, request.k, request.params
+        draft = super().propose(request)
         ids = torch.cat([context, draft.tokens[:-1]])[None]  # (1, L + k - 1)
         with torch.inference_mode():
             logits = self.full(ids, self.full.new_cache(1, ids.shape[1]))[0, -k:]  # (k, V)

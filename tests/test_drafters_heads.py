@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, DraftRequest
 from specdecode.drafters.heads import FeatureDrafterModel, HeadsDrafter, load_heads
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
@@ -129,9 +129,8 @@ class FullVocabQ(HeadsDrafter):
     """BROKEN: samples from q over the draft vocabulary S but reports the softmax of the same
     head over the whole vocabulary (q not renormalised over S, mass where it never samples)."""
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
-        draft = super().propose(context, k, params, prompt_len, generator)
+    def propose(self, request: DraftRequest) -> Draft:
+        draft = super().propose(request)
         if draft.q is None:
             return draft
         return Draft(draft.tokens, leaked(draft.q, self.model))
@@ -151,8 +150,8 @@ def first_q(model: torch.nn.Module, heads: FeatureDrafterModel) -> torch.Tensor:
     drafter = HeadsDrafter(heads, capacity=64)
     drafter.observe(target_features(model, torch.tensor([PROMPT[:-1]]))[0], 0)
     params = SamplingParams(temperature=1.0)
-    draft = drafter.propose(torch.tensor(PROMPT), 1, params, len(PROMPT),
-                            torch.Generator().manual_seed(0))
+    draft = drafter.propose(DraftRequest(torch.tensor(PROMPT), 1, params, len(PROMPT),
+                                         torch.Generator().manual_seed(0)))
     assert draft.q is not None
     return draft.q[0].double()
 
@@ -194,7 +193,7 @@ def test_q_comes_from_the_sampling_pipeline_and_is_zero_outside_the_subset(
     feats = target_features(tiny, torch.tensor([PROMPT[:-1]]))[0]
     drafter.observe(feats, 0)
     context = torch.tensor(PROMPT)
-    draft = drafter.propose(context, 1, params, 2, torch.Generator().manual_seed(0))
+    draft = drafter.propose(DraftRequest(context, 1, params, 2, torch.Generator().manual_seed(0)))
     with torch.inference_mode():
         hidden = small_heads(context[None, 1:], feats[None], small_heads.new_cache(1, 8))[0, -1:]
         expected = probs_from_logits(small_heads.full_logits(hidden), params, context, 2,
@@ -209,7 +208,7 @@ def test_q_comes_from_the_sampling_pipeline_and_is_zero_outside_the_subset(
 
 def test_no_draft_without_features(heads: FeatureDrafterModel) -> None:
     drafter = HeadsDrafter(heads, capacity=64)
-    draft = drafter.propose(torch.tensor(PROMPT), 3, SamplingParams(), len(PROMPT), None)
+    draft = drafter.propose(DraftRequest(torch.tensor(PROMPT), 3, SamplingParams(), len(PROMPT)))
     assert draft.tokens.numel() == 0
 
 

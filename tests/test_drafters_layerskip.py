@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdecode.drafters import layerskip
-from specdecode.drafters.base import Draft, Rounds
+from specdecode.drafters.base import Draft, DraftRequest, Rounds
 from specdecode.drafters.layerskip import (
     Calibration,
     LayerSkipDrafter,
@@ -78,15 +78,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 class SharpenedQ(LayerSkipDrafter):
     """BROKEN: samples from q but reports q^2 renormalised (q at half the temperature)."""
 
-    def rounds(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Rounds:  # drafting in the target's cache (the engine) or in its own (propose)
-        draft = yield from super().rounds(context, k, params, prompt_len, generator)
+    def rounds(self, request: DraftRequest) -> Rounds:
+        # drafting in the target's cache (the engine) or in its own (propose)
+        draft = yield from super().rounds(request)
         assert draft.q is not None
         return Draft(draft.tokens, draft.q**2 / (draft.q**2).sum(dim=-1, keepdim=True))
 
@@ -132,7 +126,7 @@ def test_q_comes_from_the_sampling_pipeline_on_the_kept_layers(tiny: torch.nn.Mo
     params = SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.3, seed=0)
     drafter = LayerSkipDrafter(tiny, TINY_DRAFT_LAYERS, capacity=16)
     context = torch.tensor(TINY_PROMPT)
-    draft = drafter.propose(context, 1, params, 2, torch.Generator().manual_seed(0))
+    draft = drafter.propose(DraftRequest(context, 1, params, 2, torch.Generator().manual_seed(0)))
     with torch.inference_mode():
         logits = tiny(context[None], tiny.new_cache(1, 8), layers=TINY_DRAFT_LAYERS)[0, -1:]
     expected = probs_from_logits(logits, params, context, 2, torch.zeros(0, dtype=torch.long))

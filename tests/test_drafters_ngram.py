@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from specdecode.control import Controller, CostModel, best_width
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.ngram import GREEDY_PRIOR, MatchStats, NgramDrafter, RegimeStats
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
@@ -59,7 +59,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 def _propose(drafter: NgramDrafter, context: list[int], k: int) -> list[int]:
-    draft = drafter.propose(torch.tensor(context), k, SamplingParams(), len(context), None)
+    draft = drafter.propose(DraftRequest(torch.tensor(context), k, SamplingParams(), len(context)))
     assert draft.q is None and draft.tokens.dtype == torch.long
     return list(draft.tokens.tolist())
 
@@ -228,15 +228,8 @@ def audit(
 class LyingNgram(NgramDrafter):
     """BROKEN: reports a uniform q for its deterministic tokens (verify then over-accepts)."""
 
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Draft:
-        draft = super().propose(context, k, params, prompt_len, generator)
+    def propose(self, request: DraftRequest) -> Draft:
+        draft = super().propose(request)
         return Draft(draft.tokens, torch.full((len(draft.tokens), V), 1.0 / V))
 
 
@@ -302,12 +295,12 @@ def test_confidence_follows_what_the_target_commits() -> None:
     drafter = NgramDrafter(3, 1)
     params = SamplingParams(max_tokens=8)
     context = [1, 2, 3, 4, 1, 2, 3]  # "1 2 3" matches: proposes 4 ...
-    first = drafter.propose(torch.tensor(context), 4, params, len(context), None)
+    first = drafter.propose(DraftRequest(torch.tensor(context), 4, params, len(context)))
     assert first.confidence is not None and first.tokens.tolist()[0] == 4
     start = first.confidence[0]
     for wrong in range(50, 60):  # the target commits something else after every "1 2 3"
         context += [wrong, 1, 2, 3]
-        draft = drafter.propose(torch.tensor(context), 4, params, len(context), None)
+        draft = drafter.propose(DraftRequest(torch.tensor(context), 4, params, len(context)))
         assert draft.confidence is not None
     assert draft.confidence[0] < start / 2
     assert draft.confidence[0] == pytest.approx(drafter.stats.for_params(params).rate(3))
@@ -322,7 +315,7 @@ def test_sampled_traffic_starts_lower_and_learns_apart_from_greedy_traffic() -> 
     context = [1, 2, 3, 4, 1, 2, 3]
 
     def first_confidence(params: SamplingParams, drafter: NgramDrafter) -> float:
-        draft = drafter.propose(torch.tensor(context), 4, params, len(context), None)
+        draft = drafter.propose(DraftRequest(torch.tensor(context), 4, params, len(context)))
         assert draft.confidence is not None
         return draft.confidence[0]
 

@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.drafters.xtok import (
@@ -287,12 +287,12 @@ def test_greedy_identity_and_acceptance_with_the_target_under_another_tokenizer(
 class NoRetokenising(XtokDrafter):
     """BROKEN: proposes the draft's token ids as if they were the target's."""
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        context, k = request.context, request.k
         if not self._sync(context.tolist()):
             return Draft(torch.zeros(0, dtype=torch.long), None)
         ids = self.draft.ids
-        draft = self.inner.propose(torch.tensor(ids), k, SamplingParams(), len(ids), None)
+        draft = self.inner.propose(DraftRequest(torch.tensor(ids), k, SamplingParams(), len(ids)))
         return Draft(draft.tokens[:k], None)
 
 
@@ -306,7 +306,7 @@ def test_a_drafter_skipping_the_re_tokenisation_is_rarely_accepted(
     assert gen.counters.accepted <= 0.2 * gen.counters.drafted  # ...but the ids are wrong
 
 
-class TextOracle:
+class TextOracle(Drafter):
     """A draft-side drafter that knows the text the target will write: it proposes the draft
     tokens of that text's next 1..12 characters (a random number), so its text often ends inside
     a target word (tests only)."""
@@ -320,8 +320,8 @@ class TextOracle:
     def reset(self) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        context, k = request.context, request.k
         done = self.tok.decode(context.tolist())
         assert self.script.startswith(done)
         text = self.script[len(done) : len(done) + self.rng.randint(1, 12)]
@@ -366,9 +366,8 @@ def test_boundary_handling_makes_a_right_draft_always_accepted(
 class ReportsAQ(XtokDrafter):
     """BROKEN: reports a uniform q for its deterministic tokens (verify then over-accepts)."""
 
-    def propose(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft:
-        draft = super().propose(context, k, params, prompt_len, generator)
+    def propose(self, request: DraftRequest) -> Draft:
+        draft = super().propose(request)
         return Draft(draft.tokens, torch.full((len(draft.tokens), V), 1.0 / V))
 
 

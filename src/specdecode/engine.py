@@ -15,8 +15,12 @@ speculative decoding share every line except the proposal.
 Cache invariant: the target cache holds every committed token except the last one (the pending
 token), whose logits the next step computes together with the draft.
 
-Feature hook: a drafter with an `observe(hidden, start)` method (drafters.base.wants_hidden; the
-EAGLE-style heads drafter) also gets the target's hidden states. The score move (and prefill)
+Drafters: the engine uses only what drafters.base.Drafter declares. Each step it asks for a
+proposal with a DraftRequest and, after verification, tells the drafter what was accepted
+(`observe_result`).
+
+Feature hook: a drafter with `wants_hidden` (the EAGLE-style heads drafter) also gets the
+target's hidden states through its `observe(hidden, start)`. The score move (and prefill)
 then run the target with return_hidden=True and apply its LM head here, which gives the same
 logits bit for bit, and commit hands the drafter the hidden rows of the positions it kept
 (the pending token and the accepted drafts). Other drafters are untouched.
@@ -33,17 +37,10 @@ from typing import Any
 import torch
 
 from specdecode.control import AlphaEstimate, Controller, CostModel, best_width
-from specdecode.drafters.base import (
-    Draft,
-    Drafter,
-    Rounds,
-    drafts_in_cache,
-    fits_width,
-    ids_tensor,
-    wants_hidden,
-)
+from specdecode.drafters.base import Draft, Drafter, DraftRequest, Rounds, ids_tensor
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
+from specdecode.models.cache import copies_rows, holds_tensors
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
 from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, uses_history
 from specdecode.stopping import StopChecker
@@ -97,6 +94,7 @@ class Generation:
         self.model, self.params, self.drafter = model, params, drafter
         self.k = k if drafter is not None else 0
         self.next_k = self.k  # draft length of the next step; a controller may change it
+        self.model_k: int | None = None  # the controller's k for a fits_width drafter's model
         self.category = category
         self.eos_ids = frozenset(eos_ids)
         self.generator = make_generator(params.seed)
@@ -111,7 +109,8 @@ class Generation:
         self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self._stops = StopChecker(params.stop)
         self._prefilled = 0  # prompt tokens (all but the last) already in the cache
-        self.wants_hidden = wants_hidden(drafter)  # the drafter observes the target's features
+        # the drafter observes the target's features
+        self.wants_hidden = drafter is not None and drafter.wants_hidden
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
         self.last_committed = 0  # tokens the last step committed (EOS included)
         self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
@@ -143,7 +142,7 @@ class Generation:
     def adopt_prefill(self, template: Generation) -> None:
         """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
         if template.context[: self.prompt_len] != self.context or not template.prefilled or \
-                not hasattr(template.cache, "copy_row") or self.wants_hidden:
+                not copies_rows(template.cache) or self.wants_hidden:
             self.prefill()
             return
         n = self.prompt_len - 1
@@ -174,18 +173,18 @@ class Generation:
 
     def begin_draft(self) -> Draft | Rounds:
         """Start proposing: the draft, or, for a drafter that drafts in the target's cache
-        (drafters.base.CacheDrafter), its rounds for draft_in_cache to run."""
+        (Drafter.cache_model), its rounds for draft_in_cache to run."""
         self.catch_up_ns = 0  # a drafter's one-off catching up with the context, this step
         k = self._draft_budget()
         if self.drafter is None or k <= 0:
             return Draft(_EMPTY, None)
-        ctx = ids_tensor(self.context)
-        if drafts_in_cache(self.drafter) and hasattr(self.cache, "k"):
-            return self.drafter.rounds(  # type: ignore[attr-defined,no-any-return]
-                ctx, k, self.params, self.prompt_len, self.generator)
+        request = DraftRequest(ids_tensor(self.context), k, self.params, self.prompt_len,
+                               self.generator, self.model_k)
+        if self.drafter.cache_model is not None and holds_tensors(self.cache):
+            return self.drafter.rounds(request)
         with torch.inference_mode():
-            draft = self.drafter.propose(ctx, k, self.params, self.prompt_len, self.generator)
-        self.catch_up_ns = int(getattr(self.drafter, "catch_up_ns", 0))
+            draft = self.drafter.propose(request)
+        self.catch_up_ns = self.drafter.catch_up_ns
         return draft
 
     def end_draft(self, draft: Draft) -> Draft:
@@ -206,9 +205,12 @@ class Generation:
         t3 = time.perf_counter_ns()
         base = len(self.context) - 1
         self.cache.rollback(self.row, base + 1 + result.num_accepted)  # 4. commit
-        if hidden is not None and self.wants_hidden:  # features of the kept positions
-            self.drafter.observe(hidden[: result.num_accepted + 1], base)  # type: ignore[union-attr]
-        out = self._emit(result.tokens.tolist())
+        committed = result.tokens.tolist()
+        if self.drafter is not None:
+            if hidden is not None and self.wants_hidden:  # features of the kept positions
+                self.drafter.observe(hidden[: result.num_accepted + 1], base)
+            self.drafter.observe_result(draft, result.num_accepted, committed)
+        out = self._emit(committed)
         c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
         self.last_committed = result.num_accepted + 1
         c.record_alpha(alphas)
@@ -411,9 +413,8 @@ class BatchEngine:
         if not self.controller.allows(len(self.active)):  # held off: no drafter drafts
             return [0] * len(ks)
         for k, g in zip(ks, self.active, strict=True):
-            if hasattr(g.drafter, "model_k"):  # a hybrid: its lookup always, its model per k
-                g.drafter.model_k = min(k, g.k)  # type: ignore[union-attr]
-        return [g.k if fits_width(g.drafter) else min(k, g.k)
+            g.model_k = min(k, g.k)  # a hybrid: its lookup always, its model per k
+        return [g.k if g.drafter is not None and g.drafter.fits_width else min(k, g.k)
                 for k, g in zip(ks, self.active, strict=True)]
 
     def _propose(self, ks: list[int]) -> list[Draft]:
@@ -455,7 +456,7 @@ class BatchEngine:
 
 def draft_rows(gens: list[Generation]) -> list[Draft]:
     """Each request's draft for its next step. Requests whose drafters draft in the target's
-    cache (drafters.base.CacheDrafter) draft together where they share a cache and a draft
+    cache (Drafter.cache_model) draft together where they share a cache and a draft
     model (a batch's rows) and its rows do not move each other's results (rows_independent:
     not an int8 copy): one forward of it per draft position (draft_in_cache). The others
     propose one by one. Each request's drafting time goes to its counters, a shared forward's
@@ -470,7 +471,7 @@ def draft_rows(gens: list[Generation]) -> list[Draft]:
             drafts[i] = begun
         else:
             model = gen.drafter.cache_model  # type: ignore[union-attr]
-            alone = -1 if getattr(model, "rows_independent", False) else i
+            alone = -1 if model.rows_independent else i  # type: ignore[union-attr]
             groups.setdefault((id(gen.cache), id(model), alone), []).append((i, begun))
     for members in groups.values():
         first = gens[members[0][0]]
@@ -485,7 +486,7 @@ def draft_rows(gens: list[Generation]) -> list[Draft]:
 
 def draft_in_cache(model: Any, cache: Any, rows: list[int], steps: list[Rounds]
                    ) -> tuple[list[Draft], list[int]]:
-    """Run drafters' `rounds` (drafters.base.CacheDrafter) in the target's `cache`, request i in
+    """Run drafters' `rounds` (drafters.base.Drafter.rounds) in the target's `cache`, request i in
     row rows[i]. Each round, one forward of `model` over the rows from the first to the last of
     them feeds every row's next token at the slot after its length (rows between with nothing to
     feed this round get a placeholder and do not advance) and sends each its logits. The rounds

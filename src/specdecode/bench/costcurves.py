@@ -27,6 +27,7 @@ import torch
 
 from specdecode.bench.records import CostCurve
 from specdecode.costs import forward_costs
+from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.registry import DrafterFactory
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
@@ -57,7 +58,7 @@ def drafting_seconds(factory: DrafterFactory, k: int, context_ids: Sequence[int]
 
     def propose() -> None:
         with torch.inference_mode():
-            n = len(drafter.propose(context, k, params, len(context), None).tokens)
+            n = len(drafter.propose(DraftRequest(context, k, params, len(context))).tokens)
         if n != k:
             raise SpecDecodeError(f"drafter {drafter.name} proposed {n} tokens instead of {k} "
                                   f"while measuring c(k) over {len(context)} tokens of context")

@@ -1,15 +1,22 @@
-"""The Drafter protocol and the Draft it returns.
+"""The drafter interface: `Drafter`, the `DraftRequest` it is asked and the `Draft` it returns.
 
 A drafter is per request: it is made for one request (sharing any heavy weights with others),
-told the committed context after every step, and asked for k proposed tokens. Drafters that
-sample report the distributions q they sampled from, computed by `specdecode.sampling` with the
-same parameters as the target's p; drafters without a distribution (n-gram lookup) return q=None
-and are verified as if q were one-hot on their token.
+asked each step for up to k proposed tokens following the committed context, and told after
+verification what was accepted. Drafters that sample report the distributions q they sampled
+from, computed by `specdecode.sampling` with the same parameters as the target's p; drafters
+without a distribution (n-gram lookup) return q=None and are verified as if q were one-hot on
+their token.
+
+Every capability the engine uses is declared on `Drafter` with a default, so a new drafter
+subclasses it, implements `propose` (and `reset` if it keeps state) and overrides only what it
+has: see docs/drafters.md, "Writing a drafter".
 """
 
 from __future__ import annotations
 
+import abc
 import array
+import dataclasses
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,78 +40,109 @@ class Draft:
     confidence: tuple[float, ...] | None = None
 
 
-class Drafter(Protocol):
-    name: str
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a drafter is asked for: up to `k` tokens following `context`."""
 
-    def propose(
-        self,
-        context: torch.Tensor,  # (L,) int64: prompt + every committed token so far
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Draft:
-        """Propose up to k tokens following `context` (fewer, even zero, is allowed)."""
+    context: torch.Tensor  # (L,) int64: prompt + every committed token so far
+    k: int  # propose at most this many tokens (fewer, even zero, is allowed)
+    params: SamplingParams  # the request's sampling: draw with these (drafters.base.draw)
+    prompt_len: int  # context[:prompt_len] is the prompt (penalties read what follows)
+    generator: torch.Generator | None = None  # the request's generator: every draw uses it
+    # Under the controller (--k auto), for a drafter that `fits_width`: the controller's draft
+    # length for the drafter's costly model part (a hybrid's; 0 = it sits out), while `k` is the
+    # most its free part may propose. None: `k` for both.
+    model_k: int | None = None
+
+    def with_k(self, k: int) -> DraftRequest:
+        """The same request for up to `k` tokens (a wrapper asking its inner drafter)."""
+        return dataclasses.replace(self, k=k)
+
+
+Rounds = Generator[int, torch.Tensor, Draft]  # a proposal in the target's cache (see rounds)
+
+
+class CacheModel(Protocol):
+    """The model a drafter runs in the target's cache (`Drafter.cache_model`)."""
+
+    @property
+    def rows_independent(self) -> bool:
+        """Whether a row's outputs are independent of the other rows of its forward: then the
+        engine drafts a batch's rows in one forward per draft position, else one per forward."""
         ...
+
+    def __call__(self, tokens: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor: ...
+
+
+class Drafter(abc.ABC):
+    """Base class of every drafter. The engine calls, per step of its request:
+
+    1. `propose(request)` (or, when `cache_model` is set and the target's cache holds tensors,
+       `rounds(request)`, run by engine.draft_in_cache), then reads `catch_up_ns`;
+    2. after verification, `observe(hidden, start)` if `wants_hidden`, then
+       `observe_result(draft, num_accepted, committed)`;
+    3. `reset()` when the request ends.
+
+    The class attributes below are the capabilities, with the defaults of a plain drafter.
+    """
+
+    name: str = "drafter"
+    # Proposing costs next to nothing and drafts carry confidences: under the controller the
+    # drafter is asked for up to its own k every step and the engine keeps what pays
+    # (engine.fit_width), instead of asking for the controller's per-request k.
+    fits_width: bool = False
+    # Nanoseconds the last `propose` spent catching up with the context (feeding a prompt, or
+    # tokens committed while it sat out): a one-off cost the controller keeps apart from the
+    # cost per draft token. Set by `propose`.
+    catch_up_ns: int = 0
+    # The model this drafter runs in the TARGET's KV cache, one forward per draft position over
+    # a batch's rows (a quantized copy of the target, a subset of its blocks); None: it does not
+    # draft in the target's cache. With one, the engine calls `rounds` instead of `propose`.
+    cache_model: CacheModel | None = None
+    # The engine passes the target's hidden states to `observe` (EAGLE-style heads).
+    wants_hidden: bool = False
+    # What memory accounting reads: the drafter's own KV cache and the model it runs (None: none).
+    cache: Any = None
+    model: Any = None
+
+    @abc.abstractmethod
+    def propose(self, request: DraftRequest) -> Draft:
+        """Propose up to request.k tokens following request.context (fewer, even zero, is
+        allowed). Called under torch.inference_mode."""
 
     def reset(self) -> None:
         """Forget the request: free caches, clear state."""
-        ...
+        return  # a default: nothing to do
 
+    def rounds(self, request: DraftRequest) -> Rounds:
+        """The proposal as an explicit generator, for drafters with a `cache_model`: yield each
+        token to feed at the row's next slot of the target's cache (the pending token first),
+        receive the (V,) logits of that position, and return the Draft.
 
-class FeatureObserver(Protocol):
-    """Optional: a drafter that also reads the target's hidden states (EAGLE-style heads).
+        The target's cache holds the keys and values of every committed token but the pending
+        one; the draft model feeds the pending token and its own draft tokens at the slots after
+        them, attending over the target's KV of the context (so it holds no cache, prefills
+        nothing and never catches up), while the row's length stays where it was (the rounds
+        run on a copy of the lengths): the target's verification then overwrites those slots.
+        Because every row's draft lives in one cache, the engine drafts a whole batch's rows in
+        one forward of `cache_model` per draft position (engine.draft_in_cache).
 
-    The engine calls `observe(hidden, start)` with the target's hidden states after its final
-    norm, (n, H), for context positions start..start+n-1: the prompt as it is prefilled, then
-    after each step the positions kept (the pending token and the accepted draft tokens).
-    """
+        Default: no rounds, the proposal at once."""
+        return self.propose(request)
+        yield  # a generator function  # pragma: no cover
 
-    def observe(self, hidden: torch.Tensor, start: int) -> None: ...
+    def observe(self, hidden: torch.Tensor, start: int) -> None:
+        """With `wants_hidden`: the target's hidden states after its final norm, (n, H), for
+        context positions start..start+n-1: the prompt as it is prefilled, then after each step
+        the positions kept (the pending token and the accepted draft tokens)."""
+        return  # a default: nothing to do
 
-
-def wants_hidden(drafter: object) -> bool:
-    """True when `drafter` has an `observe` method: the engine then passes it target features."""
-    return callable(getattr(drafter, "observe", None))
-
-
-Rounds = Generator[int, torch.Tensor, Draft]  # a CacheDrafter's proposal (see below)
-
-
-class CacheDrafter(Protocol):
-    """Optional: a drafter whose model has the target's cache layout (a quantized copy of the
-    target, or a subset of the target's blocks) and drafts in the target's own KV cache. That
-    cache holds the keys and values of every committed token but the pending one; the draft
-    model feeds the pending token and its own draft tokens at the slots after them, attending
-    over the target's KV of the context (so it holds no cache, prefills nothing and never
-    catches up), while the row's length stays where it was (the rounds run on a copy of the
-    lengths): the target's verification then overwrites those slots with its own keys and
-    values. Because every row's draft lives in one cache, the engine drafts a whole batch's rows
-    in one forward of `cache_model` per draft position (engine.draft_in_cache).
-
-    `rounds` is the proposal as an explicit generator: it yields each token to feed at the row's
-    next slot, is sent the (V,) logits of that position, and returns the Draft. `cache_model`
-    is the model to run (None: this drafter, e.g. a hybrid whose model part has its own cache,
-    does not draft in the cache)."""
-
-    cache_model: Any
-
-    def rounds(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-               generator: torch.Generator | None) -> Rounds: ...
-
-
-def drafts_in_cache(drafter: object) -> bool:
-    """True when `drafter` drafts in the target's cache (CacheDrafter with a cache_model)."""
-    return getattr(drafter, "cache_model", None) is not None and callable(
-        getattr(drafter, "rounds", None))
-
-
-def fits_width(drafter: object) -> bool:
-    """True when `drafter` declares `fits_width`: its drafts carry confidences and proposing
-    costs next to nothing, so under the controller it proposes up to its k and the engine keeps
-    what pays (engine.fit_width) instead of taking the controller's per-request k. One that also
-    holds a model part (drafters.hybrid) gets the controller's k for that part as `model_k`."""
-    return bool(getattr(drafter, "fits_width", False))
+    def observe_result(self, draft: Draft, num_accepted: int, committed: list[int]) -> None:
+        """Feedback after every verified step of the request: the draft as verified (cut to
+        what the engine kept; empty on steps it did not draft), how many of its tokens were
+        accepted, and the tokens the step committed (the accepted ones, then the target's
+        recovered or bonus token). Default: nothing."""
+        return  # a default: nothing to do
 
 
 def ids_tensor(ids: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ A separate draft keeps its own KV cache; on every proposal it re-syncs with the 
 context by rolling back to the longest common prefix, then feeds what is new.
 
 A quantized copy has the target's cache layout, and with `in_cache` it drafts in the target's
-own KV cache (drafters.base.CacheDrafter, driven by engine.draft_in_cache): it feeds only the
+own KV cache (drafters.base.Drafter.rounds, driven by engine.draft_in_cache): it feeds only the
 pending token and its draft tokens, attending over the target's keys and values of the context
 (a closer draft, if anything). A long prompt then costs it no prefill, the steps it sits out
 (another drafter drafted, or speculation was off) cost it no catching up, it holds no KV of its
@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft, Rounds, draw, ids_tensor
+from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest, Rounds, draw, ids_tensor
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import SamplingParams
 
 
 def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
@@ -41,7 +40,7 @@ def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
         )
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts with `model` in its own KV cache, which grows with the request up to `capacity`,
     or, with `in_cache` (a model of the target's cache layout) and run by an engine, in the
     target's."""
@@ -113,20 +112,13 @@ class DraftModelDrafter:
         self.fed.extend(tokens)
         return logits[0]  # (1, V)
 
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
         """Draft in this drafter's own cache: `rounds`, fed by syncing with the context first."""
-        ctx = context.tolist()
+        ctx, k = request.context.tolist(), request.k
         if len(ctx) + k + 1 > self.capacity:
             return Draft(EMPTY, None)
         self._reserve(len(ctx) + k + 1)
-        steps = self.rounds(context, k, params, prompt_len, generator)
+        steps = self.rounds(request)
         try:
             next(steps)  # the pending token: fed by the sync, with whatever else is new
             logits = self._sync(ctx)
@@ -135,19 +127,14 @@ class DraftModelDrafter:
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
 
-    def rounds(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Rounds:
+    def rounds(self, request: DraftRequest) -> Rounds:
         """Yield the token to feed next (the pending one, then each draft token but the last),
         receive its (V,) logits, draw from them; return the k drafted tokens and their q."""
+        k, params, prompt_len, generator = (request.k, request.params, request.prompt_len,
+                                            request.generator)
         if k <= 0:
             return Draft(EMPTY, None)
-        history = context.tolist()
+        history = request.context.tolist()
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         logits = yield history[-1]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft, ids_tensor
+from specdecode.drafters.base import EMPTY, Draft, DraftRequest, ids_tensor
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
@@ -54,17 +54,12 @@ class FaultyDrafter(DraftModelDrafter):
             return params, raw
         return params, params
 
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        k, params, prompt_len, generator = (request.k, request.params, request.prompt_len,
+                                            request.generator)
         if params.greedy:
             raise SpecDecodeError("fault injection needs sampling (temperature > 0)")
-        ctx = context.tolist()
+        ctx = request.context.tolist()
         sampling, reported = self._sampling_and_reported(params)
         logits = self._sync(ctx)
         other = self.reporter._sync(ctx) if self.reporter is not None else logits

@@ -42,7 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from specdecode.drafters.base import EMPTY, Draft, draw, ids_tensor
+from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest, draw, ids_tensor
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
@@ -179,7 +179,7 @@ def load_heads(target: Any, folder: Path) -> FeatureDrafterModel:
     return model.eval()
 
 
-class HeadsDrafter:
+class HeadsDrafter(Drafter):
     """Per-request EAGLE drafter: target features in, one draft block with its own KV cache.
 
     Draft-cache entry j holds (token_{j+1}, f_j); entries built from the target's features stay
@@ -188,6 +188,7 @@ class HeadsDrafter:
     """
 
     name = "heads"
+    wants_hidden = True  # the engine passes the target's features to `observe`
 
     def __init__(self, model: FeatureDrafterModel, capacity: int = 4096) -> None:
         self.model = model
@@ -240,16 +241,10 @@ class HeadsDrafter:
         self.fed = ctx[1:]
         return hidden[-1:]  # (1, H)
 
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
         with torch.inference_mode():
-            return self._propose(context.tolist(), k, params, prompt_len, generator)
+            return self._propose(request.context.tolist(), request.k, request.params,
+                                 request.prompt_len, request.generator)
 
     def _propose(self, ctx: list[int], k: int, params: SamplingParams, prompt_len: int,
                  generator: torch.Generator | None) -> Draft:

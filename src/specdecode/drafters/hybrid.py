@@ -18,7 +18,7 @@ which matches it at e ~0.3-0.55; 0.6 keeps a margin for the rates being estimate
 greedy match (rates 0.6, 0.7, ...) clears it at any k, a 2-token one (0.45, 0.6, ...) from k=2,
 a 1-token one (0.2, 0.45, ...) at no k.
 
-The model drafter should draft in the target's cache (drafters.base.CacheDrafter; the quantized
+The model drafter should draft in the target's cache (drafters.base.Drafter.rounds; the quantized
 copies do): then the steps the lookup drafted cost it no catching up, and in a batch the rows
 whose lookup has nothing draft through the model together. Lossless either way: which of
 the two drafts depends only on the committed context (never on a draw of this step), a lookup
@@ -27,13 +27,8 @@ draft is verified as one-hot, a model draft against the q it was drawn from.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
 from specdecode.control import expected_accepted
-from specdecode.drafters.base import Draft, Drafter, Rounds, drafts_in_cache
-from specdecode.sampling import SamplingParams
+from specdecode.drafters.base import CacheModel, Draft, Drafter, DraftRequest, Rounds
 
 MIN_EXPECTED = 0.6
 PREFIX = "ngram+"  # a hybrid's name: this, then its model drafter's
@@ -44,7 +39,7 @@ def model_part(name: str) -> str | None:
     return name.removeprefix(PREFIX) if name.startswith(PREFIX) else None
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """One request's drafter: `lookup` (a drafter whose drafts carry confidences, such as
     drafters.ngram) when it expects >= `min_expected` accepted tokens, else `model`. `used`
     counts the steps each drafted (lookup, model)."""
@@ -55,68 +50,58 @@ class HybridDrafter:
         self.min_expected = min_expected
         self.catch_up_ns = 0  # the model's catching up this step (0 when the lookup drafted)
         self.used = [0, 0]
-        self.fits_width = True  # the lookup's drafts carry confidences (base.fits_width)
-        # Under the controller (--k auto): the model part's draft length, set every step by
-        # the engine (0 = the model sits out; the lookup is still asked, its confidences then
-        # decide what is verified). None: the k of each proposal, for both.
-        self.model_k: int | None = None
+        # The lookup's drafts carry confidences (Drafter.fits_width): under the controller
+        # (--k auto) the hybrid is asked for up to its k, and the request's model_k is the
+        # model part's draft length (0 = the model sits out; the lookup is still asked, its
+        # confidences then decide what is verified).
+        self.fits_width = True
 
     @property
-    def cache(self) -> Any:
+    def cache(self) -> object:
         """The model drafter's KV cache (memory accounting reads `drafter.cache`)."""
-        return getattr(self.model, "cache", None)
+        return self.model.cache
 
     def reset(self) -> None:
         self.lookup.reset()
         self.model.reset()
 
     @property
-    def cache_model(self) -> Any:
-        """The model part's model when it drafts in the target's cache (base.CacheDrafter)."""
-        return self.model.cache_model if drafts_in_cache(self.model) else None  # type: ignore[attr-defined]
+    def cache_model(self) -> CacheModel | None:  # type: ignore[override]
+        """The model part's model when it drafts in the target's cache (Drafter.rounds)."""
+        return self.model.cache_model
 
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
         self.catch_up_ns = 0
-        draft = self._lookup(context, k, params, prompt_len, generator)
+        draft = self._lookup(request)
         if draft is not None:
             return draft
-        draft = self.model.propose(context, self._model_k(k), params, prompt_len, generator)
-        self.catch_up_ns = int(getattr(self.model, "catch_up_ns", 0))
+        draft = self.model.propose(request.with_k(self._model_k(request)))
+        self.catch_up_ns = self.model.catch_up_ns
         return draft
 
-    def rounds(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Rounds:
-        """propose, with the model part drafting in the target's cache (base.CacheDrafter)."""
-        draft = self._lookup(context, k, params, prompt_len, generator)
+    def rounds(self, request: DraftRequest) -> Rounds:
+        """propose, with the model part drafting in the target's cache (Drafter.rounds)."""
+        draft = self._lookup(request)
         if draft is not None:
             return draft
-        return (yield from self.model.rounds(  # type: ignore[attr-defined]
-            context, self._model_k(k), params, prompt_len, generator))
+        return (yield from self.model.rounds(request.with_k(self._model_k(request))))
 
-    def _model_k(self, k: int) -> int:
-        return k if self.model_k is None else min(k, self.model_k)
+    def observe_result(self, draft: Draft, num_accepted: int, committed: list[int]) -> None:
+        self.lookup.observe_result(draft, num_accepted, committed)
+        self.model.observe_result(draft, num_accepted, committed)
 
-    def _lookup(self, context: torch.Tensor, k: int, params: SamplingParams, prompt_len: int,
-                generator: torch.Generator | None) -> Draft | None:
+    @staticmethod
+    def _model_k(request: DraftRequest) -> int:
+        k = request.k
+        return k if request.model_k is None else min(k, request.model_k)
+
+    def _lookup(self, request: DraftRequest) -> Draft | None:
         """The lookup's draft when it is worth verifying alone (or the model sits out), else
         None (the model drafts; counted in `used`)."""
         # the lookup is asked every step, so its rates keep being scored against what the
         # target commits even on the steps the model drafts
-        draft = self.lookup.propose(context, k, params, prompt_len, generator)
-        if draft.confidence is not None and (self._model_k(k) <= 0 or expected_accepted(
+        draft = self.lookup.propose(request)
+        if draft.confidence is not None and (self._model_k(request) <= 0 or expected_accepted(
                 draft.confidence) >= self.min_expected):
             self.used[0] += 1
             return draft

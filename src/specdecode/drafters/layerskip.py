@@ -5,7 +5,7 @@ blocks, then the final norm and LM head), so it needs no extra weights. It reuse
 `DraftModelDrafter` through `LayerSubset`, a thin wrapper whose forward passes `layers=`: each
 draft token is drawn from q computed by the same sampling pipeline as the target's p.
 
-It drafts in the target's own KV cache (drafters.base.CacheDrafter, engine.draft_in_cache), as
+It drafts in the target's own KV cache (drafters.base.Drafter.rounds, engine.draft_in_cache), as
 Draft & Verify, SWIFT and LayerSkip do: at its kept blocks the draft reads the target's keys and
 values of the committed tokens (computed by the full model: a closer draft, if anything, and
 lossless either way, since its tokens are verified against q) and writes its own past the

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft
+from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
@@ -148,10 +148,10 @@ class RegimeStats:
         return self.by_regime[key]
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafter (one per request): longest suffix match first, most recent match."""
 
-    fits_width = True  # drafts carry confidences; proposing costs ~nothing (base.fits_width)
+    fits_width = True  # drafts carry confidences; proposing costs ~nothing (Drafter.fits_width)
 
     def __init__(self, max_n: int = 8, min_n: int = 1, name: str = "ngram",
                  stats: RegimeStats | None = None) -> None:
@@ -179,17 +179,15 @@ class NgramDrafter:
             self.reset()
         self.index.extend(context[len(self.index.tokens) :])
 
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
         """Up to k tokens copied from after the best earlier match, with a confidence per token;
-        empty when nothing matches."""
-        tokens = context.tolist()
+        empty when nothing matches.
+
+        The last proposal is scored here, against the text committed since (not in
+        observe_result): so it is scored even when the engine verified none of it (cut by
+        fit_width, or the lookup not asked on the steps between), and the rates keep being
+        learned while speculation is off."""
+        tokens, k, params = request.context.tolist(), request.k, request.params
         self._sync(tokens)  # a context that does not extend the last one resets the request
         if self._last is not None and len(tokens) > self._last[0]:
             at, n, proposal, scored = self._last

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft, Drafter
+from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 
@@ -115,7 +115,7 @@ class DraftText:
         self.ids = ids + self.tok.encode(tail[cut:])
 
 
-class XtokDrafter:
+class XtokDrafter(Drafter):
     """Drafts with `inner` (any drafter over the draft's vocabulary, normally a
     `DraftModelDrafter`) through text: see the module docstring for the five moves."""
 
@@ -140,20 +140,14 @@ class XtokDrafter:
         self.decoded = 0  # seen[:decoded] is in self.draft.text
         self.draft = DraftText(self.draft_tok, self.incremental)
 
-    def propose(
-        self,
-        context: torch.Tensor,
-        k: int,
-        params: SamplingParams,
-        prompt_len: int,
-        generator: torch.Generator | None,
-    ) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
         """Up to k target tokens re-tokenised from the draft model's greedy continuation."""
-        ctx = context.tolist()
+        ctx, k = request.context.tolist(), request.k
         if k <= 0 or not self._sync(ctx):
             return Draft(EMPTY, None)
         ids = self.draft.ids
-        inner = self.inner.propose(torch.tensor(ids), self._budget(k), GREEDY, len(ids), None)
+        inner = self.inner.propose(
+            DraftRequest(torch.tensor(ids), self._budget(k), GREEDY, len(ids), None))
         text, ended = self.draft_text(inner.tokens.tolist())
         tokens = self.target_tokens(ctx, text, ended)[:k]
         return Draft(torch.tensor(tokens, dtype=torch.long), None)

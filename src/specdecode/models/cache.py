@@ -87,3 +87,15 @@ class KVCache:
         out.k, out.v = self.k[:, first:first + n], self.v[:, first:first + n]
         out.lengths = self.lengths[first:first + n]
         return out
+
+
+def copies_rows(cache: object) -> bool:
+    """Whether `cache` takes rows of another cache of its kind (`copy_row`): the native KVCache
+    and the llama.cpp backend's do, the transformers adapter's (one row) does not."""
+    return callable(getattr(cache, "copy_row", None))
+
+
+def holds_tensors(cache: object) -> bool:
+    """Whether `cache` is the native KVCache, whose rows a drafter's model can draft in
+    (drafters.base.Drafter.rounds)."""
+    return isinstance(cache, KVCache)
