@@ -254,6 +254,24 @@ class PayGuard:
             self.backoff[batch] = self.base_backoff
 
 
+@dataclass(frozen=True)
+class StepObservation:
+    """What one batch step of the engine measured, for Controller.learn. Times leave out the
+    drafters' one-off catching up with the context (see the module docstring)."""
+
+    batch: int  # rows
+    width: int  # verification width T: positions scored per row
+    proposed: bool  # some drafter was asked to draft (the step is speculative)
+    committed: int  # tokens committed over every row (EOS included)
+    draft_tokens: int  # tokens drafted without confidences: a model drafter's, which set its cost
+    draft_s: float  # seconds of proposing
+    target_s: float  # seconds from the forward to the end of every row's verification and commit
+    step_s: float  # seconds of the whole step, choosing and drafting included
+    # per row drafted without confidences: its running estimate, its category and the alpha
+    # samples of its verified positions (drafts with confidences are fitted by those instead)
+    alphas: tuple[tuple[AlphaEstimate, str | None, list[float]], ...] = ()
+
+
 @dataclass
 class Controller:
     kmax: int
@@ -280,6 +298,17 @@ class Controller:
         """May the next step of `batch` rows speculate? False while the guard holds it off, or
         when the guard wants a plain step to refresh plain decoding's measured rate."""
         return self.guard is None or self.guard.allows(batch, self.steps)
+
+    def learn(self, step: StepObservation) -> None:
+        """Everything a finished batch step teaches: each row's alpha (and its category's),
+        the cost per draft token, t(B, T), and the guard's realized rates."""
+        for estimate, category, samples in step.alphas:
+            estimate.observe(samples)
+            self.observe(category, samples)
+        if step.draft_tokens:
+            self.costs.observe_draft(step.draft_tokens, step.draft_s, step.batch)
+        self.costs.observe_target(step.batch, step.width, step.target_s)
+        self.observe_step(step.batch, step.proposed, step.committed, step.step_s)
 
     def observe_step(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
         """A finished step: `tokens` committed over `batch` rows in `seconds` of wall time,

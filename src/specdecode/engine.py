@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from specdecode.control import AlphaEstimate, Controller, CostModel, best_width
+from specdecode.control import AlphaEstimate, Controller, CostModel, StepObservation, best_width
 from specdecode.drafters.base import Draft, Drafter, DraftRequest, Rounds, ids_tensor
 from specdecode.errors import SpecDecodeError
 from specdecode.metrics import Counters
@@ -118,6 +118,11 @@ class Generation:
     @property
     def prefilled(self) -> bool:
         return self._prefilled >= self.prompt_len - 1
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens (all but the last) already in the cache."""
+        return self._prefilled
 
     def prefill(self, max_tokens: int | None = None) -> bool:
         """Feed up to `max_tokens` more prompt tokens (all but the last); True when done."""
@@ -329,6 +334,7 @@ class BatchEngine:
             return []
         began = time.perf_counter_ns()
         ks = self._choose_k()
+        proposing = time.perf_counter_ns()
         drafts = self._propose(ks)
         start = time.perf_counter_ns()
         logits, hidden = self._score(drafts)
@@ -336,24 +342,11 @@ class BatchEngine:
         for i, (gen, draft) in enumerate(zip(list(self.active), drafts, strict=True)):
             rows = len(draft.tokens) + 1
             features = None if hidden is None else hidden[i, :rows]
-            out = gen.finish_step(logits[i, :rows], draft, features)
-            if id(gen) in self.alphas and draft.confidence is None:  # the model drafter's
-                # alpha: drafts with confidences (lookups) are fitted by those, not by it
-                self.alphas[id(gen)].observe(gen.last_alphas)
-                assert self.controller is not None  # estimates exist only under a controller
-                self.controller.observe(gen.category, gen.last_alphas)
-            outputs.append((gen, out))
-        if self.controller is not None:  # what a step of this width costs: the forward pass
-            # and every row's verification and commit (per-row work grows with the width)
-            end = time.perf_counter_ns()
-            self.controller.costs.observe_target(len(drafts), logits.shape[1],
-                                                 (end - start) / 1e9)
-            catch_up = sum(g.catch_up_ns for g, _ in outputs)  # one-off, as in observe_draft
-            proposed = any(k > 0 and g.drafter is not None
-                           for k, g in zip(ks, self.active, strict=True))
-            self.controller.observe_step(len(drafts), proposed,
-                                         sum(g.last_committed for g, _ in outputs),
-                                         (end - began - catch_up) / 1e9)
+            outputs.append((gen, gen.finish_step(logits[i, :rows], draft, features)))
+        if self.controller is not None:
+            self.controller.learn(self._observation(ks, drafts, logits.shape[1],
+                                                    (began, proposing, start,
+                                                     time.perf_counter_ns())))
         for gen, out in outputs:
             if out.finish_reason is not None:
                 self._leave(gen)
@@ -372,9 +365,9 @@ class BatchEngine:
             if gen.cache is None or not gen.prefilled:  # a 1-token prompt still needs a cache
                 if budget <= 0:
                     break
-                before = gen._prefilled
+                before = gen.prefilled_tokens
                 gen.prefill(budget)
-                budget -= gen._prefilled - before
+                budget -= gen.prefilled_tokens - before
             if not gen.prefilled:
                 break
             self._adopt(self.joining.popleft())
@@ -418,21 +411,38 @@ class BatchEngine:
                 for k, g in zip(ks, self.active, strict=True)]
 
     def _propose(self, ks: list[int]) -> list[Draft]:
-        start = time.perf_counter_ns()
         for gen, k in zip(self.active, ks, strict=True):
             gen.next_k = k
         drafts = draft_rows(self.active)
         if self.controller is not None:  # --k auto: verify what pays; a fixed k is kept
             drafts = fit_width(drafts, self.controller.costs,
                                self.controller.max_width(len(drafts)))
-        # the cost per draft token is a model drafter's: drafts with confidences (prompt
-        # lookup, alone or in a hybrid) cost next to nothing and would make it look cheaper
-        drafted = sum(len(d.tokens) for d in drafts if d.confidence is None)
-        if self.controller is not None and drafted:
-            catch_up = sum(g.catch_up_ns for g in self.active)
-            self.controller.costs.observe_draft(
-                drafted, (time.perf_counter_ns() - start - catch_up) / 1e9, len(drafts))
         return drafts
+
+    def _observation(self, ks: list[int], drafts: list[Draft], width: int,
+                     times: tuple[int, int, int, int]) -> StepObservation:
+        """What the step just run measured, for the controller: `times` are the nanosecond
+        clocks at its start, before proposing, before scoring, and after every row's commit."""
+        began, proposing, scoring, end = times
+        catch_up = sum(g.catch_up_ns for g in self.active)  # one-off: not a cost per token
+        # the cost per draft token and the alphas are a model drafter's: drafts with
+        # confidences (prompt lookup, alone or in a hybrid) cost next to nothing and are fitted
+        # by their confidences, and would make it look cheaper
+        model_rows = [(g, d) for g, d in zip(self.active, drafts, strict=True)
+                      if d.confidence is None]
+        return StepObservation(
+            batch=len(drafts), width=width,
+            proposed=any(k > 0 and g.drafter is not None
+                         for k, g in zip(ks, self.active, strict=True)),
+            committed=sum(g.last_committed for g in self.active),
+            draft_tokens=sum(len(d.tokens) for _, d in model_rows),
+            draft_s=(scoring - proposing - catch_up) / 1e9,
+            # what a step of this width costs: the forward pass and every row's verification
+            # and commit (per-row work grows with the width)
+            target_s=(end - scoring) / 1e9,
+            step_s=(end - began - catch_up) / 1e9,
+            alphas=tuple((self.alphas[id(g)], g.category, g.last_alphas)
+                         for g, _ in model_rows))
 
     def _score(self, drafts: list[Draft]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward over the active rows: (n, T, V) logits, rows padded to T, and the
