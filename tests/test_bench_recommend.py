@@ -14,7 +14,7 @@ from specdecode.bench.recommend import recommend, vllm_speculative_config
 from specdecode.bench.records import ConfigSpec
 from specdecode.bench.stats import analyze, self_repeat
 from specdecode.bench.store import Results
-from tests.test_bench_fakes import FakeRunner, linear_v, make_prompts, ngram, plain, workload_of
+from tests.fakes import FakeRunner, linear_v, make_prompts, ngram, plain, workload_of
 
 
 def measure(runner: FakeRunner, configs: list[ConfigSpec], n_prompts: int = 12) -> Results:

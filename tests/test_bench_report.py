@@ -13,7 +13,7 @@ from specdecode.bench.store import Results
 from specdecode.bench.summary import render_summary
 from specdecode.bench.svg import nice_ticks
 from specdecode.bench.workloads import Prompt
-from tests.test_bench_fakes import FakeRunner, make_prompts, ngram, plain, workload_of
+from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 SECTIONS = ("recommendation", "summary", "latency", "acceptance", "speedup", "boundary",
             "categories", "audit", "memory", "costs", "workload")

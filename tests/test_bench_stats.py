@@ -26,7 +26,7 @@ from specdecode.bench.stats import (
     wall_time,
 )
 from specdecode.bench.store import Results
-from tests.test_bench_fakes import FakeRunner, make_prompts, ngram, plain, workload_of
+from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 
 def mean_stat(x: np.ndarray) -> np.ndarray:

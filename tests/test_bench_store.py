@@ -32,7 +32,7 @@ from specdecode.bench.store import (
     results_from_report,
 )
 from specdecode.errors import SpecDecodeError
-from tests.test_bench_fakes import FakeRunner, make_prompts, ngram, plain, workload_of
+from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 CONFIGS = [plain(), ngram()]
 

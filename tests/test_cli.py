@@ -27,6 +27,7 @@ def assert_clean_error(proc: subprocess.CompletedProcess[str], *needles: str) ->
     assert proc.stdout == ""
 
 
+@pytest.mark.slow  # the real SmolLM2
 def test_generate_streams_text_and_json_has_counters() -> None:
     proc = run_cli("generate", "Once upon a time, in a small village by the sea,",
                    "--max-tokens", "8")

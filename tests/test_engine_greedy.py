@@ -12,7 +12,7 @@ from specdecode.engine import Generation
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
 from tests.conftest import record_feeds
-from tests.drafters_scripted import ScriptedDrafter
+from tests.fakes import ScriptedDrafter
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 TOKENS = 32
