@@ -31,6 +31,7 @@ import numpy as np
 
 from specdecode.bench.records import AuditVerdict, ConfigSpec, CostCurve, RequestSample
 from specdecode.bench.store import Results
+from specdecode.control import expected_tokens
 
 Statistic = Callable[[np.ndarray], np.ndarray]
 DEFAULT_RESAMPLES = 2000
@@ -300,17 +301,14 @@ def predicted_speedup(alpha: float, k: float, c: float, v: float) -> float:
     cost = k * c + v
     if cost <= 0:
         return math.nan
-    if alpha >= 1.0:
-        return (k + 1) / cost
-    return (1.0 - alpha ** (k + 1)) / ((1.0 - alpha) * cost)
+    return expected_tokens(alpha, k) / cost
 
 
 def break_even_c(alpha: float, k: float, v: float) -> float:
     """The per-token draft cost c at which predicted speedup is exactly 1 (the boundary)."""
     if k < 1:
         return math.nan
-    tokens = (k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return (tokens - v) / k
+    return (expected_tokens(alpha, k) - v) / k
 
 
 def cost_at(curve: CostCurve, k: float) -> tuple[float, float]:
