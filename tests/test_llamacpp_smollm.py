@@ -1,6 +1,6 @@
 """Greedy identity on the real target through the llama.cpp backend: speculative output is
-token-identical to this backend's plain greedy output on the built-in workload and on 48
-Spec-Bench prompts (first turns, 128 tokens; 8 from each of six categories), at batch 1 and in
+token-identical to this backend's plain greedy output on the built-in workload and on
+Spec-Bench prompts (first turns, 128 tokens; from each of six categories), at batch 1 and in
 batches of 4 (rows of one batch must not move each other). Plain decoding is also checked
 against llama-cpp-python's own `Llama.generate` on the built-in prompts: the promise is against
 llama.cpp as users run it.
@@ -93,11 +93,15 @@ def test_builtin_workload_is_token_identical(target: Any) -> None:
     _check(target, prompts, [p.max_tokens or 128 for p in prompts])
 
 
-def test_spec_bench_48_prompts_are_token_identical(target: Any) -> None:
+def test_spec_bench_prompts_are_token_identical(target: Any) -> None:
+    """PER_CATEGORY prompts of each category (2 in CI: 12 prompts; the 48-prompt run behind
+    docs/llamacpp.md sets SPECDECODE_SPECBENCH_PER_CATEGORY=8, about 15 minutes here)."""
     if not SPEC_BENCH.exists():
         pytest.skip(f"{SPEC_BENCH} is not here")
-    prompts = load_workload(SPEC_BENCH, categories=list(CATEGORIES), limit_per_category=8).prompts
-    assert len(prompts) == 48
+    per = int(os.environ.get("SPECDECODE_SPECBENCH_PER_CATEGORY", "2"))
+    prompts = load_workload(SPEC_BENCH, categories=list(CATEGORIES),
+                            limit_per_category=per).prompts
+    assert len(prompts) == per * len(CATEGORIES)
     _check(target, prompts, [128] * len(prompts))
 
 
