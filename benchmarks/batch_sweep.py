@@ -47,7 +47,8 @@ from typing import Any
 import torch
 
 from specdecode.bench.inprocess import kv_bytes
-from specdecode.control import Controller, calibrated_costs
+from specdecode.calibration import calibrated_costs
+from specdecode.control import Controller
 from specdecode.costs import hardware
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.registry import drafter_factory

@@ -14,7 +14,7 @@ tokens, how they are checked) can be replayed offline, with the costs measured h
   replayed step what it would propose;
 - a draft is accepted up to its first token that differs from the output; a step costs its copy
   forwards (by width) and the target's verification (by width): medians of forwards at the
-  prompt's context length (costs.forward_costs, the widths of each model interleaved); the
+  prompt's context length (calibration.forward_costs, the widths of each model interleaved); the
   prefill is the plain run's own.
 
 Per policy: the predicted decoding-phase ratio to plain (the replay's plain: one width-1 target
@@ -47,8 +47,9 @@ import torch
 from drafters import SPECBENCH, run_one
 
 from specdecode.bench.workloads import load_workload
+from specdecode.calibration import forward_costs
 from specdecode.control import expected_accepted
-from specdecode.costs import forward_costs, hardware
+from specdecode.costs import hardware
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.ngram import NgramDrafter, NgramIndex
 from specdecode.drafters.registry import drafter_factory
@@ -239,7 +240,7 @@ def policies() -> dict[str, Policy]:
 def measure_costs(target: Any, copy: Any, context: int, repeats: int
                   ) -> tuple[dict[int, float], dict[int, float]]:
     """Median seconds of a target forward of each verification width and of a copy forward of
-    each width after `context` tokens (costs.forward_costs, each model in a cache of its own:
+    each width after `context` tokens (calibration.forward_costs, each model in a cache of its own:
     a forward's time does not depend on the values it reads)."""
     target_rows = forward_costs(target, 1, context, MAX_TARGET_WIDTH, repeats)
     copy_rows = forward_costs(copy, 1, context, MAX_COPY_WIDTH, repeats)

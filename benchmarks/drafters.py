@@ -37,7 +37,8 @@ import torch
 
 from specdecode.bench.stats import self_repeat
 from specdecode.bench.workloads import Prompt, load_default_workload, load_workload
-from specdecode.control import Controller, CostModel, calibrated_costs
+from specdecode.calibration import calibrated_costs
+from specdecode.control import Controller, CostModel
 from specdecode.costs import hardware
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation

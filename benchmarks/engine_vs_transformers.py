@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from specdecode.costs import forward_costs, hardware
+from specdecode.calibration import forward_costs
+from specdecode.costs import hardware
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation
 from specdecode.models.loading import load_model, resolve_folder

@@ -215,7 +215,8 @@ def test_cost_curves_run_at_every_precision(
     tiny: torch.nn.Module, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`specdecode costs` machinery (timings are not checked: a benchmark, not a test)."""
-    from specdecode.costs import forward_costs, hardware, print_costs
+    from specdecode.calibration import forward_costs
+    from specdecode.costs import hardware, print_costs
 
     curves = [forward_costs(apply_precision(tiny, p), 2, 16, 3, 3) for p in precision.PRECISIONS]
     for rows in curves:

@@ -339,7 +339,7 @@ def test_smollm_chat_through_the_server_equals_plain_decoding(smollm: LoadedMode
 def test_serve_caps_each_step_at_1_5_plain_steps_unless_told_otherwise(tmp_path: Path) -> None:
     import argparse
 
-    from specdecode.cli import _check_k
+    from specdecode.cli_args import check_k as _check_k
     from specdecode.server.cli import options_from_args, register
 
     parser = argparse.ArgumentParser()

@@ -8,6 +8,6 @@
 
 from specdecode.api import GenerateResult, Specdecode, load
 from specdecode.errors import SpecDecodeError
+from specdecode.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["GenerateResult", "SpecDecodeError", "Specdecode", "__version__", "load"]

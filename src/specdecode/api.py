@@ -8,7 +8,7 @@
     outcome = sd.bench(configs="plain;ngram+w4a16:k=3")     # the `specdecode bench` report
 
 `generate` is what `specdecode generate` runs (the same engine, drafters and `--k auto`
-controller: `cli._auto_steps`), and `bench` is what `specdecode bench` runs (the same parser
+controller: `auto_steps`), and `bench` is what `specdecode bench` runs (the same parser
 defaults, checks, runner and report: `bench.commands`), on the model loaded once here. Every
 input is checked before a model loads or a token is generated; a bad value raises
 SpecDecodeError naming it.
@@ -83,7 +83,7 @@ def _check_drafter(drafter: str | None) -> str:
 
 def _check_k(k: int | str, kmax: int, max_step_cost: float | None) -> tuple[int, bool]:
     """(k, auto) as `specdecode generate --k/--kmax/--max-step-cost` parse them."""
-    from specdecode.cli import _check_k as check
+    from specdecode.cli_args import check_k as check
 
     if isinstance(k, bool) or not isinstance(k, int | str):
         raise SpecDecodeError(f"k must be an integer in 1..64 or 'auto', got {k!r}")
@@ -208,7 +208,6 @@ class Specdecode:
                 min_p: float = 0.0, repetition_penalty: float = 1.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                 stop: Sequence[str] = (), seed: int | None = None) -> _Stream:
-        from specdecode.cli import _auto_steps
         from specdecode.engine import Generation
         from specdecode.sampling import SamplingParams
 
@@ -227,7 +226,7 @@ class Specdecode:
         factory = self._factory
         gen = Generation(model, tok, tok.encode_prompt(text), params,
                          factory() if factory else None, self.k, self._eos)
-        steps = _auto_steps(model, gen, self.max_step_cost) if self.auto and factory else \
+        steps = auto_steps(model, gen, self.max_step_cost) if self.auto and factory else \
             gen.run()
         stream = _Stream(iter(()))
 
@@ -304,3 +303,22 @@ def _bench_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specdecode")
     add_bench_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["bench"])
+
+
+def auto_steps(model: Any, gen: Any, max_step_cost: float | None = None) -> Iterator[Any]:
+    """Steps of `gen` under the controller (--k auto): a batch-1 engine, costs measured first."""
+    from specdecode.calibration import calibrated_costs
+    from specdecode.control import Controller
+    from specdecode.engine import BatchEngine
+
+    controller = Controller(kmax=gen.k, costs=calibrated_costs(model, [1], gen.k),
+                            max_step_cost=max_step_cost)
+    engine = BatchEngine(model, 1, gen.capacity, controller=controller)
+    engine.submit(gen)
+
+    def steps() -> Iterator[Any]:
+        while engine.busy:
+            for _, out in engine.step():
+                yield out
+
+    return steps()

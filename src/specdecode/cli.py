@@ -6,114 +6,27 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from specdecode.cli_args import (
+    add_drafter_args,
+    add_model_args,
+    add_sampling_args,
+    check_k,
+    sampling_params,
+)
 from specdecode.errors import SpecDecodeError
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--precision", default="fp32",
-                   help="fp32 | bf16 | int8 | w8a16 | w4a16 (default fp32)")
-    p.add_argument("--backend", default="auto",
-                   help="auto | native | transformers (auto: native where the family has one)")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=None)
-
-
-def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="none",
-                   help="none | int8 | w4a16 | ngram | layerskip | heads (--heads) | distilled | "
-                        "draft-model | xtok (these two with --draft-model) | ngram+X (prompt "
-                        "lookup where it expects to pay, else drafter X: w4a16, int8, "
-                        "distilled, draft-model, layerskip)")
-    p.add_argument("--draft-model", default=None,
-                   help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
-                        "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
-    p.add_argument("--distilled", default=None,
-                   help="distilled draft folder for --drafter distilled (default: the shipped one)")
-    p.add_argument("--heads", default=None,
-                   help="trained heads folder for --drafter heads (default: the shipped ones)")
-    p.add_argument("--k", default="auto",
-                   help="draft length 1..64, or auto (default): the controller picks 0..--kmax "
-                        "per step from measured acceptance and costs")
-    p.add_argument("--kmax", type=int, default=8, help="largest draft length for --k auto")
-    p.add_argument("--max-step-cost", type=float, default=None,
-                   help="under --k auto, no step may cost more than this many plain steps of "
-                        "the same batch (bounds the inter-token latency tail; inf: no cap; "
-                        "default: no cap, serve: 1.5)")
-
-
-def _params(args: argparse.Namespace) -> Any:
-    from specdecode.sampling import SamplingParams
-
-    params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        stop=tuple(args.stop),
-    )
-    params.validate()
-    return params
-
-
-def _check_k(args: argparse.Namespace) -> None:
-    """Parse --k into args.k (int, the cap under auto) and args.auto (bool)."""
-    args.auto = args.k == "auto"
-    if args.auto:
-        args.k = args.kmax
-    else:
-        try:
-            args.k = int(args.k)
-        except ValueError:
-            msg = f"--k must be an integer in 1..64 or auto, got {args.k}"
-            raise SpecDecodeError(msg) from None
-    if not 1 <= args.k <= 64:
-        name = "--kmax" if args.auto else "--k"
-        raise SpecDecodeError(f"{name} must be in 1..64, got {args.k}")
-    cap = getattr(args, "max_step_cost", None)
-    if cap is not None and not cap >= 1.0:  # (nan fails this too; inf: no cap)
-        raise SpecDecodeError(f"--max-step-cost must be a number >= 1 (plain steps), got {cap}")
-
-
-def _auto_steps(model: Any, gen: Any, max_step_cost: float | None = None) -> Iterator[Any]:
-    """Steps of `gen` under the controller (--k auto): a batch-1 engine, costs measured first."""
-    from specdecode.control import Controller, calibrated_costs
-    from specdecode.engine import BatchEngine
-
-    controller = Controller(kmax=gen.k, costs=calibrated_costs(model, [1], gen.k),
-                            max_step_cost=max_step_cost)
-    engine = BatchEngine(model, 1, gen.capacity, controller=controller)
-    engine.submit(gen)
-
-    def steps() -> Iterator[Any]:
-        while engine.busy:
-            for _, out in engine.step():
-                yield out
-
-    return steps()
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode.api import auto_steps
     from specdecode.drafters.registry import drafter_factory
     from specdecode.engine import Generation
     from specdecode.models.loading import load_model
 
-    params = _params(args)
-    _check_k(args)
+    params = sampling_params(args)
+    check_k(args)
     loaded = load_model(args.model, args.precision, args.backend)
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
@@ -123,7 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode_prompt(text), params,
                      factory() if factory else None, args.k, eos)
-    steps = _auto_steps(loaded.model, gen, args.max_step_cost) if args.auto and factory else \
+    steps = auto_steps(loaded.model, gen, args.max_step_cost) if args.auto and factory else \
         gen.run()
     start = time.perf_counter()
     first: float | None = None
@@ -184,8 +97,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from specdecode.audit import audit_greedy, audit_sampled
     from specdecode.models.loading import load_model
 
-    params = _params(args)
-    _check_k(args)
+    params = sampling_params(args)
+    check_k(args)
     if args.samples < 10:
         raise SpecDecodeError(f"--samples must be >= 10, got {args.samples}")
     loaded = load_model(args.model, args.precision, args.backend)
@@ -230,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    _add_model_args(g)
-    _add_sampling_args(g)
-    _add_drafter_args(g)
+    add_model_args(g)
+    add_sampling_args(g)
+    add_drafter_args(g)
     g.set_defaults(func=cmd_generate)
     a = sub.add_parser("audit", help="losslessness audit of a configuration (exit 1 on FAIL)")
     a.add_argument("--prompt", default=None, help="prompt (default: a few built-in ones)")
@@ -246,12 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "q-from-other-model"],
                    help="deliberately break the drafter to see the audit catch it")
     a.add_argument("--json", action="store_true")
-    _add_model_args(a)
-    _add_sampling_args(a)
-    _add_drafter_args(a)
+    add_model_args(a)
+    add_sampling_args(a)
+    add_drafter_args(a)
     a.set_defaults(func=cmd_audit, max_tokens=32)
     c = sub.add_parser("costs", help="benchmark: forward cost vs positions scored, v(k)")
-    _add_model_args(c)
+    add_model_args(c)
     c.add_argument("--context", type=int, default=512)
     c.add_argument("--kmax", type=int, default=16)
     c.add_argument("--batches", default="1,2,4,8")

@@ -10,8 +10,8 @@ It maximises the expected tokens per second of the whole batch from three measur
   per batch size too: a copy drafting in the target's cache drafts a batch's rows in one forward
   per position, so its cost per token falls as the batch grows);
 - target cost t(B, T): seconds of one step over B rows of T positions, from a table of forward
-  passes measured before serving (costs.forward_costs), refreshed by every step the engine runs,
-  timed from the forward to the end of every row's verification and commit (per-row work that
+  passes measured before serving (calibration.forward_costs), refreshed by every step the engine
+  runs, timed from the forward to the end of every row's verification and commit (per-row work that
   grows with B and T, and that a forward-only table leaves out).
 
 With a common verification width T = K + 1 for the batch, request i drafting k_i <= K tokens
@@ -419,15 +419,3 @@ def _best_k(alpha: float, width_k: int, token_cost: float) -> int:
     """k <= width_k maximising E(k) - token_cost * k (token_cost: tokens forgone per draft)."""
     values = [expected_tokens(alpha, k) - token_cost * k for k in range(width_k + 1)]
     return max(range(width_k + 1), key=lambda k: (values[k], -k))
-
-
-def calibrated_costs(model: object, batches: list[int], kmax: int, context: int = 128,
-                     repeats: int = 2) -> CostModel:
-    """A CostModel whose t(B, T) table is measured now for T = 1..kmax+1 at each batch size."""
-    from specdecode.costs import forward_costs
-
-    costs = CostModel()
-    for batch in batches:
-        for row in forward_costs(model, batch, context, kmax + 1, repeats):
-            costs.target_s[(batch, int(row["k"]))] = float(row["median_s"])
-    return costs

@@ -1,7 +1,7 @@
-"""Cost curves (a benchmark, not a test): the time of one forward pass scoring k new positions
-over a fixed context, per batch size, and v(k) = time(k) / time(1). Also, at batch 1, the
-per-token latency of plain greedy decoding here against transformers' generate() on the same
-weights.
+"""`specdecode costs` (a benchmark, not a test): cost curves, the time of one forward pass
+scoring k new positions over a fixed context, per batch size (calibration.forward_costs), and
+v(k) = time(k) / time(1). Also, at batch 1, the per-token latency of plain greedy decoding here
+against transformers' generate() on the same weights.
 
 Noise (a shared 2-core machine): every shape is warmed up before timing, shapes are timed
 round-robin (one pass over k = 1..kmax per repeat) so that a slow spell hits every k alike,
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from specdecode.calibration import forward_costs, quartiles
 from specdecode.models.loading import load_model
 
 
@@ -41,56 +42,6 @@ def _load() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def forward_costs(model: Any, batch: int, context: int, kmax: int, repeats: int) -> list[dict]:
-    """Time of one forward scoring k = 1..kmax positions per row after `context` tokens.
-
-    Rows: k, batch, median_s / min_s / max_s over `repeats`, first_s (the first, cold call of
-    that shape), v = median(k) / median(1) and v_q1 / v_q3 (quartiles of the per-repeat ratio).
-    """
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.cfg.vocab_size
-    cache = model.new_cache(batch, context + kmax + 1)
-    with torch.inference_mode():
-        for i in range(0, context, 256):
-            n = min(256, context - i)
-            model(torch.randint(vocab, (batch, n), generator=gen), cache, logits_for="none")
-    tokens = [torch.randint(vocab, (batch, k), generator=gen) for k in range(1, kmax + 1)]
-
-    def step(k: int) -> float:
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model(tokens[k - 1], cache)
-        elapsed = time.perf_counter() - start
-        for b in range(batch):
-            cache.rollback(b, context)
-        return elapsed
-
-    first = [step(k) for k in range(1, kmax + 1)]  # cold: each shape's first call
-    for k in range(1, kmax + 1):
-        step(k)  # warm-up
-    times: list[list[float]] = [[] for _ in range(kmax)]
-    for _ in range(max(1, repeats)):
-        for k in range(1, kmax + 1):
-            times[k - 1].append(step(k))
-    t1 = statistics.median(times[0])
-    rows = []
-    for k in range(1, kmax + 1):
-        ts = times[k - 1]
-        ratios = [t / one for t, one in zip(ts, times[0], strict=True)]
-        q1, q3 = _quartiles(ratios)
-        rows.append({"k": k, "batch": batch, "median_s": statistics.median(ts), "min_s": min(ts),
-                     "max_s": max(ts), "first_s": first[k - 1],
-                     "v": statistics.median(ts) / t1, "v_q1": q1, "v_q3": q3})
-    return rows
 
 
 def _prompt(tokenizer: Any, context: int) -> list[int]:
@@ -128,8 +79,8 @@ def peer_comparison(loaded: Any, new_tokens: int, repeats: int,
     return {"native_s_per_token": native, "transformers_s_per_token": peer,
             "ratio_native_over_transformers": native / peer,
             "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "native_q1_q3": _quartiles(steps["native"]),
-            "transformers_q1_q3": _quartiles(steps["transformers"]),
+            "native_q1_q3": quartiles(steps["native"]),
+            "transformers_q1_q3": quartiles(steps["transformers"]),
             "new_tokens": new_tokens, "runs": max(1, repeats), "context": len(prompt),
             "batch": 1}
 

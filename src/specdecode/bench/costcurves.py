@@ -1,7 +1,7 @@
 """c(k) and v(k) measured on this machine, for the in-process runner.
 
 Both are ratios to ONE plain target step: the median time of a target forward pass scoring one
-new position after `context` tokens (`costs.forward_costs`).
+new position after `context` tokens (`calibration.forward_costs`).
 
 - v(k): the time of a target pass scoring k + 1 positions (the pending token and k drafts) over
   that of one position: row k + 1 of `forward_costs`.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specdecode.bench.records import CostCurve
-from specdecode.costs import forward_costs
+from specdecode.calibration import forward_costs
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.registry import DrafterFactory
 from specdecode.errors import SpecDecodeError

@@ -26,7 +26,6 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from specdecode import __version__
 from specdecode.bench.hardware import detect_hardware
 from specdecode.bench.recommend import Recommendation, recommend
 from specdecode.bench.records import (
@@ -54,6 +53,7 @@ from specdecode.bench.store import (
 from specdecode.bench.summary import render_summary
 from specdecode.bench.workloads import Prompt, Workload, describe_workload
 from specdecode.errors import SpecDecodeError
+from specdecode.version import __version__
 
 WARMUP_TOKENS = 16
 Task = tuple[int, list[Prompt], ConfigSpec]  # (group index, prompts, config)

@@ -55,7 +55,6 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from specdecode import __version__
 from specdecode.bench.hardware import detect_hardware
 from specdecode.bench.http_metrics import (
     BatchCounters,
@@ -74,6 +73,7 @@ from specdecode.bench.records import (
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt
 from specdecode.errors import SpecDecodeError
+from specdecode.version import __version__
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
 SERVER_DRAFTER = "server"  # the drafter of a speculative endpoint configuration

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specdecode import __version__, engine
+from specdecode import engine
 from specdecode.audit import audit_sampled
 from specdecode.bench.costcurves import cost_curve, repeating_context, target_rows
 from specdecode.bench.peers import LlamaCppPeers, is_peer
@@ -61,6 +61,7 @@ from specdecode.metrics import Counters
 from specdecode.models.loading import LoadedModel, file_digest
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
+from specdecode.version import __version__
 
 DEFAULT_CAPACITY = 2048  # tokens of one request's context when `fit_capacity` was not called
 TURN_MARGIN = 16  # tokens per turn allowed for a reply re-tokenizing longer than generated

@@ -25,7 +25,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-import specdecode
 from specdecode.sampling import SamplingParams
 from specdecode.server import prepare, shutdown
 from specdecode.server.connections import ConnectionLimits
@@ -35,6 +34,7 @@ from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest
 from specdecode.server.state import LONG_PROMPT_BYTES, ServerState
 from specdecode.server.streaming import EventStream, Shape, Submission, collect, stream_events
+from specdecode.version import __version__
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -47,7 +47,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.worker.stop()
         state.long_prompts.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="specdecode", version=specdecode.__version__, lifespan=lifespan,
+    app = FastAPI(title="specdecode", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
 
     def observe(error: APIError) -> None:

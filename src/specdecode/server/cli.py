@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from specdecode.cli import _add_drafter_args, _add_model_args, _check_k
+from specdecode.cli_args import add_drafter_args, add_model_args, check_k
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
@@ -33,8 +33,8 @@ SHUTDOWN_TIMEOUT_S = 30.0  # = specdecode.server.shutdown.SHUTDOWN_TIMEOUT_S
 def register(subparsers: Any) -> None:
     """Add the `serve` subcommand to the CLI's subparsers (it sets `func`)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (speculative, batched)")
-    _add_model_args(p)
-    _add_drafter_args(p)
+    add_model_args(p)
+    add_drafter_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=8,
@@ -75,7 +75,7 @@ def register(subparsers: Any) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    """ServeOptions from parsed arguments (after _check_k), checked."""
+    """ServeOptions from parsed arguments (after check_k), checked."""
     from specdecode.server.state import ServeOptions
 
     options = ServeOptions(
@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdecode.server.shutdown import drain
     from specdecode.server.state import build_state
 
-    _check_k(args)
+    check_k(args)
     options = options_from_args(args)
     sock = bind_socket(args.host, args.port)
     if not _is_loopback(args.host) and options.api_key is None:

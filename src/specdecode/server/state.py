@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.control import Controller, CostModel, calibrated_costs
+from specdecode.calibration import calibrated_costs
+from specdecode.control import Controller, CostModel
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine
 from specdecode.errors import SpecDecodeError

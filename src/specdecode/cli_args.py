@@ -1,0 +1,87 @@
+"""The argument groups and checks that several commands share (`generate`, `audit`, `serve`,
+and the Python API's checks of the same values). Imports nothing above the errors module, so
+every front end can use it without importing another."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from specdecode.errors import SpecDecodeError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--precision", default="fp32",
+                   help="fp32 | bf16 | int8 | w8a16 | w4a16 (default fp32)")
+    p.add_argument("--backend", default="auto",
+                   help="auto | native | transformers (auto: native where the family has one)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="none",
+                   help="none | int8 | w4a16 | ngram | layerskip | heads (--heads) | distilled | "
+                        "draft-model | xtok (these two with --draft-model) | ngram+X (prompt "
+                        "lookup where it expects to pay, else drafter X: w4a16, int8, "
+                        "distilled, draft-model, layerskip)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
+                        "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
+    p.add_argument("--distilled", default=None,
+                   help="distilled draft folder for --drafter distilled (default: the shipped one)")
+    p.add_argument("--heads", default=None,
+                   help="trained heads folder for --drafter heads (default: the shipped ones)")
+    p.add_argument("--k", default="auto",
+                   help="draft length 1..64, or auto (default): the controller picks 0..--kmax "
+                        "per step from measured acceptance and costs")
+    p.add_argument("--kmax", type=int, default=8, help="largest draft length for --k auto")
+    p.add_argument("--max-step-cost", type=float, default=None,
+                   help="under --k auto, no step may cost more than this many plain steps of "
+                        "the same batch (bounds the inter-token latency tail; inf: no cap; "
+                        "default: no cap, serve: 1.5)")
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    from specdecode.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+    params.validate()
+    return params
+
+
+def check_k(args: argparse.Namespace) -> None:
+    """Parse --k into args.k (int, the cap under auto) and args.auto (bool)."""
+    args.auto = args.k == "auto"
+    if args.auto:
+        args.k = args.kmax
+    else:
+        try:
+            args.k = int(args.k)
+        except ValueError:
+            msg = f"--k must be an integer in 1..64 or auto, got {args.k}"
+            raise SpecDecodeError(msg) from None
+    if not 1 <= args.k <= 64:
+        name = "--kmax" if args.auto else "--k"
+        raise SpecDecodeError(f"{name} must be in 1..64, got {args.k}")
+    cap = getattr(args, "max_step_cost", None)
+    if cap is not None and not cap >= 1.0:  # (nan fails this too; inf: no cap)
+        raise SpecDecodeError(f"--max-step-cost must be a number >= 1 (plain steps), got {cap}")
