@@ -18,4 +18,7 @@ if ! ls "$DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     rm -rf "$DIR" && mv "$DIR.tmp" "$DIR"
 fi
 python3 -m pip install -q --no-deps --force-reinstall "$DIR"/llama_cpp_python-*.whl
-python3 -m pip install -q "diskcache>=5.6.1" "typing-extensions>=4.5.0"
+CONSTRAINTS="$(dirname "$0")/../constraints.txt"
+python3 -m pip install -q -c "$CONSTRAINTS" "diskcache>=5.6.1" "typing-extensions>=4.5.0"
+# its OpenAI-compatible server (the [server] extra), a third-party peer for `bench --endpoint`
+python3 -m pip install -q -c "$CONSTRAINTS" "sse-starlette>=1.6.1" "starlette-context>=0.3.6,<0.4" "pydantic-settings>=2.0.1" "PyYAML>=5.1"
