@@ -16,7 +16,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32",
                    help="fp32 | bf16 | int8 | w8a16 | w4a16 (default fp32)")
     p.add_argument("--backend", default="auto",
-                   help="auto | native | transformers (auto: native where the family has one)")
+                   help="auto | native | transformers | llama.cpp (auto: native where the "
+                        "family has one; llama.cpp: the GGUF on llama.cpp, docs/llamacpp.md)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

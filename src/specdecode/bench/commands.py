@@ -609,7 +609,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--precision", default="fp32",
                    help="fp32 | bf16 | int8 | w8a16 | w4a16 (default fp32)")
-    p.add_argument("--backend", default="auto", help="auto | native | transformers")
+    p.add_argument("--backend", default="auto",
+                   help="auto | native | transformers | llama.cpp (docs/llamacpp.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice; stated in the report)")
     p.add_argument("--no-chat-template", action="store_true",
