@@ -120,11 +120,13 @@ def _transformers_steps(hf: Any, prompt: list[int], n: int) -> list[float]:
 def run_costs(model_spec: str | None, precision: str, backend: str, context: int, kmax: int,
               batches: list[int], repeats: int, compare_transformers: bool = True
               ) -> dict[str, Any]:
-    loaded = load_model(model_spec, precision, backend)
+    loaded = load_model(model_spec, precision, backend, max_batch=max(batches))
     result: dict[str, Any] = {"model": loaded.describe(), "hardware": hardware(),
                               "context": context, "repeats": repeats}
     result["curves"] = [forward_costs(loaded.model, b, context, kmax, repeats) for b in batches]
-    if compare_transformers and precision == "fp32":
+    # the native runner against transformers on the same weights (llama.cpp's peers, its own
+    # Python loops, are measured by `bench --backend llama.cpp`)
+    if compare_transformers and precision == "fp32" and loaded.backend == "native":
         result["peer"] = peer_comparison(loaded, 32, max(3, repeats // 2), context)
     result["load_avg_1m_end"] = _load()
     return result
