@@ -247,3 +247,18 @@ def test_missing_binding_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
     with pytest.raises(SpecDecodeError, match=r"specdecode\[llamacpp\]"):
         import_llama_cpp()
+
+
+def test_metrics_and_the_run_header_name_the_backend_and_its_exactness(tiny: Any) -> None:
+    from specdecode.models.loading import LoadedModel
+    from specdecode.server.metrics import ServerMetrics
+
+    loaded = LoadedModel(tiny[0], None, "tiny", Path("t.gguf"), "gguf", 0.0)  # type: ignore[arg-type]
+    assert loaded.exactness() is not None and loaded.exactness().startswith("batch-invariant")
+    metrics = ServerMetrics("tiny")
+    metrics.set_backend(loaded.backend, loaded.backend_version(), loaded.exactness())
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.registry).decode()
+    assert 'backend="llama.cpp"' in text and 'version="0.3.36"' in text
+    assert 'exactness="batch-invariant' in text

@@ -274,21 +274,6 @@ def config_k(config: ConfigSpec) -> int:
     return k
 
 
-def backend_version(model: Any) -> str:
-    """The version of the library behind the backend (llama-cpp-python, torch)."""
-    version = getattr(model, "version", None)
-    return str(version()) if callable(version) else f"torch {torch.__version__}"
-
-
-def exactness(model: Any) -> str | None:
-    """The load-time batch-invariance measure of a llama.cpp target (models.llamacpp)."""
-    measured = getattr(model, "invariance", None)
-    if measured is None:
-        return None
-    verdict = "batch-invariant" if measured.exact else "NOT batch-invariant"
-    return f"{verdict} ({measured.describe()})"
-
-
 class InProcessRunner:
     """The Runner protocol on this package's engine, for one loaded target model.
 
@@ -336,8 +321,8 @@ class InProcessRunner:
             "precision": self.loaded.precision, "weight_hash": self._hash,
             "torch_threads": torch.get_num_threads(), "accelerator": None,
             "details": {"backend": self.loaded.backend, "source": str(self.loaded.source),
-                        "backend_version": backend_version(self.loaded.model),
-                        "exactness": exactness(self.loaded.model),
+                        "backend_version": self.loaded.backend_version(),
+                        "exactness": self.loaded.exactness(),
                         "torch": torch.__version__, "specdecode": __version__,
                         "chat_template": self.chat and
                         self.loaded.tokenizer.chat_template is not None,

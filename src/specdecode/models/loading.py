@@ -44,6 +44,19 @@ class LoadedModel:
 
         return weight_bytes(self.model)
 
+    def backend_version(self) -> str:
+        """The version of the library behind the backend (llama-cpp-python, else torch)."""
+        version = getattr(self.model, "version", None)
+        return str(version()) if callable(version) else f"torch {torch.__version__}"
+
+    def exactness(self) -> str | None:
+        """The load-time batch-invariance verdict of a llama.cpp target (models.llamacpp)."""
+        measured = getattr(self.model, "invariance", None)
+        if measured is None:
+            return None
+        verdict = "batch-invariant" if measured.exact else "NOT batch-invariant"
+        return f"{verdict} ({measured.describe()})"
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name, "source": str(self.source), "backend": self.backend,

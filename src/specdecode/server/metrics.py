@@ -122,6 +122,13 @@ class ServerMetrics:
             if count:
                 self._per_pos.labels(self.model_name, str(pos)).inc(count)
 
+    def set_backend(self, backend: str, version: str, exactness: str | None) -> None:
+        """An info gauge (value 1) naming the runtime behind the target and its measured
+        exactness ("unknown" where none was measured: the native runner)."""
+        Gauge("backend_info", "The target's runtime, its version and measured exactness.",
+              ["model_name", "backend", "version", "exactness"], registry=self.registry).labels(
+            self.model_name, backend, version, exactness or "unknown").set(1)
+
     def set_memory(self, target_weights: int, draft_weights: int, target_kv: int) -> None:
         """The static part of the memory accounting, set once when the server is built."""
         for component, value in (("target_weights", target_weights),

@@ -153,6 +153,7 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
         max_prompt_bytes=options.max_prompt_bytes or window * prompts.longest_token_bytes,
     )
     metrics = ServerMetrics(name)
+    metrics.set_backend(loaded.backend, loaded.backend_version(), loaded.exactness())
     if controller is not None and controller.guard is not None:
         guard = controller.guard
         metrics.watch_guard(lambda: float(guard.holds))
