@@ -36,7 +36,7 @@ CATEGORIES = ("summarization", "rag", "translation", "qa", "math_reasoning", "wr
 def target() -> Any:
     from specdecode.models.loading import load_model
 
-    loaded = load_model(backend="llama.cpp")
+    loaded = load_model(backend="llama.cpp", max_batch=4)
     assert loaded.model.invariance.exact, loaded.model.invariance
     return loaded
 
