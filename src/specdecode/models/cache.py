@@ -16,6 +16,18 @@ import torch
 from specdecode.errors import SpecDecodeError
 
 
+def check_room(lengths: list[int], capacity: int, new_tokens: int,
+               rows: list[int] | None = None) -> None:
+    """Raise a clear error if writing `new_tokens` positions would overflow any of `rows` (all
+    rows by default) of a cache holding `lengths` tokens per row, `capacity` at most."""
+    for b in rows if rows is not None else range(len(lengths)):
+        if lengths[b] + new_tokens > capacity:
+            raise SpecDecodeError(
+                f"context overflow: row {b} holds {lengths[b]} tokens, adding "
+                f"{new_tokens} exceeds the cache capacity of {capacity} tokens"
+            )
+
+
 class KVCache:
     def __init__(
         self,
@@ -42,12 +54,7 @@ class KVCache:
 
     def check_room(self, new_tokens: int, rows: list[int] | None = None) -> None:
         """Raise a clear error if writing `new_tokens` positions would overflow any row."""
-        for b in rows if rows is not None else range(self.batch):
-            if self.lengths[b] + new_tokens > self.capacity:
-                raise SpecDecodeError(
-                    f"context overflow: row {b} holds {self.lengths[b]} tokens, adding "
-                    f"{new_tokens} exceeds the cache capacity of {self.capacity} tokens"
-                )
+        check_room(self.lengths, self.capacity, new_tokens, rows)
 
     def rollback(self, row: int, length: int) -> None:
         """Forget everything after `length` in `row` (no copy)."""

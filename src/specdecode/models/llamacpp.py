@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cache import check_room
 from specdecode.models.config import ModelConfig
 
 EXTRA = "llamacpp"  # pip install "specdecode[llamacpp]"
@@ -106,17 +107,12 @@ class LlamaCppCache:
         return len(self.lengths)
 
     def nbytes(self) -> int:
-        """KV bytes of the positions this cache's rows hold (llama.cpp allocates the context's
-        KV once; `LlamaCppModel.kv_bytes` is all of it)."""
+        """KV bytes of the positions this cache's rows hold (llama.cpp allocates every row's
+        cells once, with the context)."""
         return sum(self.lengths) * self.model.kv_bytes_per_token
 
     def check_room(self, new_tokens: int, rows: list[int] | None = None) -> None:
-        for b in rows if rows is not None else range(self.batch):
-            if self.lengths[b] + new_tokens > self.capacity:
-                raise SpecDecodeError(
-                    f"context overflow: row {b} holds {self.lengths[b]} tokens, adding "
-                    f"{new_tokens} exceeds the cache capacity of {self.capacity} tokens"
-                )
+        check_room(self.lengths, self.capacity, new_tokens, rows)
 
     def rollback(self, row: int, length: int) -> None:
         if not 0 <= length <= self.lengths[row]:
@@ -269,9 +265,6 @@ class LlamaCppModel:
 
     def weight_bytes(self) -> int:
         return int(self.L.llama_model_size(self._model))
-
-    def kv_bytes(self) -> int:
-        return self.n_ctx * self.kv_bytes_per_token
 
     def version(self) -> str:
         return str(getattr(self.L, "__version__", "unknown"))

@@ -233,7 +233,7 @@ def load_model(
 
 
 def load_on_llamacpp(spec: str | None, precision: str, start: float,
-                     threads: int | None = None, sequences: int | None = None) -> LoadedModel:
+                     sequences: int | None = None) -> LoadedModel:
     """A GGUF on the llama.cpp backend (models.llamacpp): the weights as the file stores them,
     the tokenizer and config from the same conversion the native runner uses (cached)."""
     from specdecode.models.llamacpp import import_llama_cpp, load_llamacpp
@@ -249,6 +249,6 @@ def load_on_llamacpp(spec: str | None, precision: str, start: float,
     cfg = config_from_hf(read_hf_config(folder), str(folder / "config.json"))
     if sequences is not None and os.environ.get("SPECDECODE_LLAMACPP_SEQUENCES"):
         sequences = None  # the user's setting wins
-    model = load_llamacpp(source, cfg, threads, sequences=sequences)
+    model = load_llamacpp(source, cfg, sequences=sequences)
     return LoadedModel(model, Tokenizer(folder), name, source, "gguf",
                        time.perf_counter() - start)
