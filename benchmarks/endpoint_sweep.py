@@ -32,15 +32,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from specdecode.bench.commands import main_for_tests, round_robin
 from specdecode.bench.hardware import describe_hardware, detect_hardware
+from specdecode.bench.plan import round_robin
 from specdecode.bench.workloads import load_default_workload
+from specdecode.cli import main as specdecode_main
 
 START_TIMEOUT_S = 600.0
 SERVING = re.compile(r"serving .* at (http://\S+)/v1")
@@ -173,10 +174,11 @@ def main() -> None:
         print(f"servers ready in {time.perf_counter() - start:.0f} s: off {off}, auto {auto}",
               flush=True)
         out, err = io.StringIO(), io.StringIO()
-        code = main_for_tests(["bench", "--endpoint", f"off={off}", "--endpoint", f"auto={auto}",
-                               "--workload", str(workload), "--batch-sizes", args.concurrency,
-                               "--max-tokens", str(args.max_tokens), "--out",
-                               str(args.out / "report"), "--quiet"], out=out, err=err)
+        with redirect_stdout(out), redirect_stderr(err):
+            code = specdecode_main(
+                ["bench", "--endpoint", f"off={off}", "--endpoint", f"auto={auto}", "--workload",
+                 str(workload), "--batch-sizes", args.concurrency, "--max-tokens",
+                 str(args.max_tokens), "--out", str(args.out / "report"), "--quiet"])
     print(out.getvalue(), end="")
     if code != 0:
         raise SystemExit(err.getvalue().strip())

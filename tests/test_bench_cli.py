@@ -1,9 +1,8 @@
-"""`specdecode bench / compare / tune` through `bench.commands` (as the CLI runs them): bad input
+"""`specdecode bench / compare / tune` through the CLI's `main`, in process: bad input
 is one clear line and exit status 2 before any model is loaded; good input writes the reports."""
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.bench import commands
-from specdecode.bench.commands import main_for_tests, parse_configs
+from specdecode.bench import plan as commands
+from specdecode.bench.plan import parse_configs
 from specdecode.bench.records import ConfigSpec
 from specdecode.errors import SpecDecodeError
 from specdecode.models import loading
+from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
 
 GOOD = '{"prompt": "t5 t6 t7 t5 t6", "category": "code"}'
@@ -45,9 +45,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = main_for_tests(argv, out=out, err=err)
-    return code, out.getvalue(), err.getvalue()
+    return run_cli(argv)
 
 
 def workload(tmp_path: Path, *lines: str) -> str:

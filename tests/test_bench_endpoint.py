@@ -7,7 +7,6 @@ a 500 or send a broken stream. Every address is loopback; every request loop is 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -23,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specdecode.bench.commands import main_for_tests
 from specdecode.bench.http_metrics import (
     SpecCounters,
     batch_counters,
@@ -45,6 +43,7 @@ from specdecode.models.loading import LoadedModel, load_model
 from specdecode.server.app import create_app
 from specdecode.server.background import BackgroundServer
 from specdecode.server.state import ServeOptions, ServerState, build_state
+from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -62,12 +61,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)  # tiny matrices, a shared machine: one thread
     yield
     torch.set_num_threads(before)
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = main_for_tests(argv, out=out, err=err)
-    return code, out.getvalue(), err.getvalue()
 
 
 def workload_file(tmp_path: Path, lines: list[str] = PROMPTS) -> Path:

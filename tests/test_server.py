@@ -340,8 +340,8 @@ def test_smollm_chat_through_the_server_equals_plain_decoding(smollm: LoadedMode
 def test_serve_caps_each_step_at_1_5_plain_steps_unless_told_otherwise(tmp_path: Path) -> None:
     import argparse
 
-    from specdecode.cli_args import check_k as _check_k
-    from specdecode.server.cli import options_from_args, register
+    from specdecode.cli.args import check_k as _check_k
+    from specdecode.cli.serve import options_from_args, register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
@@ -355,8 +355,8 @@ def test_serve_caps_each_step_at_1_5_plain_steps_unless_told_otherwise(tmp_path:
 def test_serve_cli_refuses_bad_options(tmp_path: Path) -> None:
     import argparse
 
+    from specdecode.cli.serve import register
     from specdecode.errors import SpecDecodeError
-    from specdecode.server.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))

@@ -289,7 +289,8 @@ def test_slow_clients_are_cut_while_others_are_served(tiny: LoadedModel) -> None
     time, and a keep-alive one that trickles its second request are closed once the header
     timeout (1 s here) passes; a body sent a byte at a time gets a 408 once the body timeout
     (1 s) passes. Meanwhile normal requests are served. (Before: all stayed open.)"""
-    from specdecode.server import cli, connections, state
+    from specdecode.cli import serve as cli
+    from specdecode.server import connections, state
 
     assert cli.HEADER_TIMEOUT_S == connections.HEADER_TIMEOUT_S
     assert cli.BODY_TIMEOUT_S == state.BODY_TIMEOUT_S

@@ -9,7 +9,7 @@
 
 `generate` is what `specdecode generate` runs (the same engine, drafters and `--k auto`
 controller: `auto_steps`), and `bench` is what `specdecode bench` runs (the same parser
-defaults, checks, runner and report: `bench.commands`), on the model loaded once here. Every
+defaults, checks, runner and report: `bench.plan`), on the model loaded once here. Every
 input is checked before a model loads or a token is generated; a bad value raises
 SpecDecodeError naming it.
 """
@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from typing import Any, Literal, TextIO
 
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import K_RANGE
 from specdecode.metrics import Counters
 
 DEFAULT_KMAX = 8  # the largest draft length under k="auto", as `--kmax`'s default
@@ -83,12 +84,12 @@ def _check_drafter(drafter: str | None) -> str:
 
 def _check_k(k: int | str, kmax: int, max_step_cost: float | None) -> tuple[int, bool]:
     """(k, auto) as `specdecode generate --k/--kmax/--max-step-cost` parse them."""
-    from specdecode.cli_args import check_k as check
+    from specdecode.cli.args import check_k as check
 
     if isinstance(k, bool) or not isinstance(k, int | str):
-        raise SpecDecodeError(f"k must be an integer in 1..64 or 'auto', got {k!r}")
+        raise SpecDecodeError(f"k must be an integer in {K_RANGE} or 'auto', got {k!r}")
     if isinstance(kmax, bool) or not isinstance(kmax, int):
-        raise SpecDecodeError(f"kmax must be an integer in 1..64, got {kmax!r}")
+        raise SpecDecodeError(f"kmax must be an integer in {K_RANGE}, got {kmax!r}")
     args = SimpleNamespace(k=k if k == "auto" else str(k), kmax=kmax,
                            max_step_cost=max_step_cost)
     check(args)  # type: ignore[arg-type]
@@ -267,7 +268,7 @@ class Specdecode:
         sys.stdout), `err` the warnings (default sys.stderr). Results go to `out_dir` (default
         runs/<UTC time>).
         """
-        from specdecode.bench import commands
+        from specdecode.bench import plan as commands
 
         args = _bench_args()
         if isinstance(categories, str):
@@ -298,10 +299,10 @@ class Specdecode:
 
 def _bench_args() -> argparse.Namespace:
     """`specdecode bench`'s arguments at their defaults, from its own parser."""
-    from specdecode.bench.commands import add_bench_parser
+    from specdecode.cli.bench import register
 
     parser = argparse.ArgumentParser(prog="specdecode")
-    add_bench_parser(parser.add_subparsers(dest="command"))
+    register(parser.add_subparsers(dest="command"))
     return parser.parse_args(["bench"])
 
 

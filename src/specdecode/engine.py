@@ -39,6 +39,7 @@ import torch
 from specdecode.control import AlphaEstimate, Controller, CostModel, StepObservation, best_width
 from specdecode.drafters.base import Draft, Drafter, DraftRequest, Rounds, ids_tensor
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import MAX_K
 from specdecode.metrics import Counters
 from specdecode.models.cache import copies_rows, holds_tensors
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
@@ -47,7 +48,6 @@ from specdecode.stopping import StopChecker
 from specdecode.verify import VerifyResult, acceptance_probability, verify_chain, verify_greedy
 
 PREFILL_CHUNK = 256
-MAX_K = 64
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
 

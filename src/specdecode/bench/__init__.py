@@ -14,5 +14,5 @@ Modules, in the order data flows through them:
 - `report_html`, `summary`, `svg`: the self-contained HTML report and the terminal summary.
 - `hardware`: the machine description every report states.
 - `compare`: what changed between two reports (after a target swap or an upgrade).
-- `commands`: the `bench`, `compare` and `tune` subcommands of the CLI.
+- `plan`: what `bench` and `tune` run, checked before a model loads (their commands: `cli`).
 """

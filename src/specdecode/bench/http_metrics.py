@@ -42,7 +42,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MAX_DRAFT = 64  # the most draft tokens one step may propose (the CLI's limit on k)
+from specdecode.limits import MAX_K as MAX_DRAFT  # the most draft tokens one step may propose
+
 DRAFTS = "spec_decode_num_drafts"
 DRAFT_TOKENS = "spec_decode_num_draft_tokens"
 ACCEPTED = "spec_decode_num_accepted_tokens"

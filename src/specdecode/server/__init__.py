@@ -5,6 +5,6 @@ Layout: `protocol` (request schemas and response shapes), `errors` (OpenAI-style
 (Prometheus), `worker` (the one engine thread), `tokens` (prompt tokenization: message contents
 as text, off the GIL), `prepare` (a validated request -> a Generation), `streaming` (events ->
 SSE / JSON), `app` (the routes), `shutdown` (the drain on SIGTERM), `background` (uvicorn
-servers, run in a thread or draining on signals), `cli` (`specdecode serve`). The limits and
+servers, run in a thread or draining on signals); `specdecode serve` is `cli.serve`. The limits and
 their flags: docs/serving-hardening.md.
 """

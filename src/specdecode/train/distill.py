@@ -345,9 +345,9 @@ def model_card(target: Any, target_name: str, corpus: dict[str, Any], cfg: Disti
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.train.cli import add_common_args
+    from specdecode.cli.args import add_train_args
 
-    add_common_args(p, DEFAULT_OUT)
+    add_train_args(p, DEFAULT_OUT)
     d = DistillConfig()
     p.add_argument("--layers", type=int, default=d.layers,
                    help=f"draft blocks (default {d.layers})")

@@ -378,9 +378,9 @@ def write_heads(out_dir: Path, model: FeatureDrafterModel, card: dict[str, Any])
 
 
 def add_heads_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.train.cli import add_common_args
+    from specdecode.cli.args import add_train_args
 
-    add_common_args(p, "runs/heads")
+    add_train_args(p, "runs/heads")
     d = HeadsTrainConfig()
     p.add_argument("--tokens", type=int, default=d.train_tokens,
                    help=f"training tokens (target features extracted once; default "

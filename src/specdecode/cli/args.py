@@ -1,16 +1,19 @@
-"""The argument groups and checks that several commands share (`generate`, `audit`, `serve`,
-and the Python API's checks of the same values). Imports nothing above the errors module, so
-every front end can use it without importing another."""
+"""The argument groups and checks the subcommands share, and the Python API's checks of the same
+values. The draft-length range is `limits.MAX_K`, written nowhere else. Imports nothing above
+the errors and limits modules, so every front end can use it without importing another."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import K_RANGE, valid_k
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --precision, --backend: the target every model-loading command takes."""
     p.add_argument("--model", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--precision", default="fp32",
@@ -20,7 +23,33 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "family has one; llama.cpp: the GGUF on llama.cpp, docs/llamacpp.md)")
 
 
+def add_measurement_args(p: argparse.ArgumentParser) -> None:
+    """--threads and --no-chat-template: how `bench` and `tune` run their workload."""
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's choice; stated in the report)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="send the raw turns instead of the model's chat template")
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """--workload, --categories, --strict (`bench`, `tune`)."""
+    p.add_argument("--workload", default=None,
+                   help="JSONL file, Spec-Bench or plain format (default: the built-in one)")
+    p.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a workload with a malformed line instead of skipping it")
+
+
+def add_run_args(p: argparse.ArgumentParser, out_help: str) -> None:
+    """--out, --seed, --resamples, --quiet: a measured run's output (`bench`, `tune`)."""
+    p.add_argument("--out", type=Path, default=None, help=out_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resamples", type=int, default=None, help="bootstrap resamples")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling parameters (`generate`, `audit`)."""
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -34,6 +63,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    """The drafter and its draft length (`generate`, `audit`, `serve`)."""
     p.add_argument("--drafter", default="none",
                    help="none | int8 | w4a16 | ngram | layerskip | heads (--heads) | distilled | "
                         "draft-model | xtok (these two with --draft-model) | ngram+X (prompt "
@@ -47,8 +77,8 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", default=None,
                    help="trained heads folder for --drafter heads (default: the shipped ones)")
     p.add_argument("--k", default="auto",
-                   help="draft length 1..64, or auto (default): the controller picks 0..--kmax "
-                        "per step from measured acceptance and costs")
+                   help=f"draft length {K_RANGE}, or auto (default): the controller picks "
+                        "0..--kmax per step from measured acceptance and costs")
     p.add_argument("--kmax", type=int, default=8, help="largest draft length for --k auto")
     p.add_argument("--max-step-cost", type=float, default=None,
                    help="under --k auto, no step may cost more than this many plain steps of "
@@ -56,7 +86,25 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "default: no cap, serve: 1.5)")
 
 
+def add_train_args(p: argparse.ArgumentParser, default_out: str) -> None:
+    """Options every trainer takes: target, corpus, steps, output folder, resume, seed, threads."""
+    p.add_argument("--model", default=None,
+                   help="target checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--corpus", action="append", default=None, metavar="PATH",
+                   help="training text: a file or folder (.html stripped, .py, .txt, ...); "
+                        "repeatable (default: python3.11-doc HTML if installed, else the "
+                        "standard-library source)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the last checkpoint in --out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's choice; 1 on a shared machine)")
+
+
 def sampling_params(args: argparse.Namespace) -> Any:
+    """SamplingParams from the sampling arguments, checked."""
     from specdecode.sampling import SamplingParams
 
     params = SamplingParams(
@@ -78,11 +126,11 @@ def check_k(args: argparse.Namespace) -> None:
         try:
             args.k = int(args.k)
         except ValueError:
-            msg = f"--k must be an integer in 1..64 or auto, got {args.k}"
+            msg = f"--k must be an integer in {K_RANGE} or auto, got {args.k}"
             raise SpecDecodeError(msg) from None
-    if not 1 <= args.k <= 64:
+    if not valid_k(args.k):
         name = "--kmax" if args.auto else "--k"
-        raise SpecDecodeError(f"{name} must be in 1..64, got {args.k}")
+        raise SpecDecodeError(f"{name} must be in {K_RANGE}, got {args.k}")
     cap = getattr(args, "max_step_cost", None)
     if cap is not None and not cap >= 1.0:  # (nan fails this too; inf: no cap)
         raise SpecDecodeError(f"--max-step-cost must be a number >= 1 (plain steps), got {cap}")

@@ -7,7 +7,6 @@ imported only when their command runs or its parser is built, so an entry costs 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -19,23 +18,6 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "draft": ("distil a small draft model from the frozen target (DistillSpec)",
               "specdecode.train.distill", "add_draft_args", "cmd_train_draft"),
 }
-
-
-def add_common_args(p: argparse.ArgumentParser, default_out: str) -> None:
-    """Options every trainer takes: target, corpus, steps, output folder, resume, seed, threads."""
-    p.add_argument("--model", default=None,
-                   help="target checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--corpus", action="append", default=None, metavar="PATH",
-                   help="training text: a file or folder (.html stripped, .py, .txt, ...); "
-                        "repeatable (default: python3.11-doc HTML if installed, else the "
-                        "standard-library source)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps")
-    p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the last checkpoint in --out")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's choice; 1 on a shared machine)")
 
 
 def _entry(name: str, attr: int) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from specdecode.cli_args import add_drafter_args, add_model_args, check_k
+from specdecode.cli.args import add_drafter_args, add_model_args, check_k
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
@@ -30,9 +30,9 @@ BODY_TIMEOUT_S = 60.0  # = specdecode.server.state.BODY_TIMEOUT_S
 SHUTDOWN_TIMEOUT_S = 30.0  # = specdecode.server.shutdown.SHUTDOWN_TIMEOUT_S
 
 
-def register(subparsers: Any) -> None:
-    """Add the `serve` subcommand to the CLI's subparsers (it sets `func`)."""
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (speculative, batched)")
+def register(sub: Any) -> None:
+    """Add `serve` to the CLI's subparsers (it sets `func`)."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (speculative, batched)")
     add_model_args(p)
     add_drafter_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

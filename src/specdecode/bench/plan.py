@@ -1,4 +1,6 @@
-"""The `bench`, `compare` and `tune` subcommands (`register` adds them to the CLI's parser).
+"""What `bench` and `tune` run, checked before any model loads: their configurations, workload
+and output folder (a `BenchPlan`), the runner and the measured run. The command line
+(`cli.bench`, `cli.tune`) and the Python API (`Specdecode.bench`) both run it.
 
 Configurations are written `--configs "plain;int8:k=3;ngram:k=4,ngram_max=3"`: items separated
 by ";", each a drafter name ("plain" for plain decoding) optionally followed by ":" and
@@ -18,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -30,6 +30,7 @@ from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec
 from specdecode.bench.workloads import Prompt, Workload, load_default_workload, load_workload
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import K_RANGE, MAX_K, valid_k
 
 DEFAULT_LIMIT_PER_CATEGORY = 1  # built-in workload: one prompt of each of its 6 categories
 DEFAULT_MAX_TOKENS_CAP = 64  # built-in workload: cap on every prompt's max_tokens
@@ -44,31 +45,6 @@ PEER_DEFAULT_K = {"llamacpp-generate": "1", "llamacpp-lookup": "10"}  # its own 
 # draft prefix expected to pay at the measured t(B, T)), a fixed k for comparison, and
 # llama-cpp-python's own plain decoding and prompt-lookup speculation as peers.
 LLAMACPP_CONFIGS = "plain;ngram:k=auto;ngram:k=4;llamacpp-generate;llamacpp-lookup:k=10"
-BENCH_DESCRIPTION = """\
-Measure plain and speculative decoding side by side on a workload (interleaved, same prompts),
-write results.jsonl, report.json and a self-contained report.html, and print a summary with a
-recommendation. Results are saved as they are measured: after Ctrl-C, --resume continues.
-
---configs "plain;int8:k=3;ngram:k=4,ngram_max=3": configurations separated by ";", each a
-drafter ("plain" for plain decoding) with optional key=value pairs after ":". Keys: k (an
-integer, or "auto": the controller, drafting at most kmax tokens, default 8), temperature
-(overrides the prompts'), name; other keys are drafter options (model=PATH for draft-model,
-ngram_max=N, layers=0+1+2). A plain baseline is added where one is missing.
-
---endpoint [NAME=]URL (repeatable) measures OpenAI-compatible servers instead (this package's
-`specdecode serve`, vLLM, SGLang, llama.cpp...) over streaming HTTP: TTFT and inter-token latency
-are timed on this side per streamed event, acceptance is read from each server's /metrics
-(this server's or vLLM's spec_decode counters; unknown, not zero, where absent). Speculation is
-the server's own setting, so each endpoint is one configuration named NAME (default: host:port)
-and --configs does not apply: the FIRST endpoint is the baseline, the others are measured
-against it as speculative configurations, interleaved over the same prompts (to compare a
-speculative server with a plain one, list the plain one first). --batch-sizes are then the
-numbers of concurrent requests. --model is the model id to request (default: the first of GET
-/v1/models); --api-key (or $SPECDECODE_API_KEY) is sent as a Bearer token; --precision,
---backend, --threads and --audit-samples do not apply; --no-chat-template sends raw text to
-/v1/completions instead of messages to /v1/chat/completions.
-"""
-
 
 # ------------------------------------------------------------------------------ configurations
 
@@ -89,8 +65,8 @@ def _parse_k(value: str, item: str) -> int | Literal["auto"]:
     except ValueError:
         raise SpecDecodeError(f"config {item!r}: k must be an integer or 'auto', got "
                               f"{value!r}") from None
-    if not 1 <= k <= 64:
-        raise SpecDecodeError(f"config {item!r}: k must be in 1..64, got {k}")
+    if not valid_k(k):
+        raise SpecDecodeError(f"config {item!r}: k must be in {K_RANGE}, got {k}")
     return k
 
 
@@ -130,10 +106,6 @@ def option_value(text: str) -> Any:
     return text
 
 
-def _valid_kmax(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64
-
-
 def default_name(drafter: str, k: int | Literal["auto"], temperature: float | None) -> str:
     """"plain" or "<drafter>-k<k>", with "-t<temperature>" when it overrides the prompts'."""
     name = "plain" if drafter == "none" else drafter if drafter == "llamacpp-generate" else \
@@ -162,8 +134,8 @@ def parse_config(item: str, precision: str) -> ConfigSpec:
                                if key not in RESERVED_KEYS}
     if drafter == "none" and options:
         raise SpecDecodeError(f"config {item!r}: plain decoding takes no drafter options")
-    if k == "auto" and not _valid_kmax(options.get("kmax", 8)):
-        raise SpecDecodeError(f"config {item!r}: kmax must be an integer in 1..64")
+    if k == "auto" and not valid_k(options.get("kmax", 8)):
+        raise SpecDecodeError(f"config {item!r}: kmax must be an integer in {K_RANGE}")
     name = pairs.get("name") or default_name(drafter, k, temperature)
     return ConfigSpec(name=name, drafter=drafter, k=k, temperature=temperature,
                       precision=precision, options=options)
@@ -362,33 +334,6 @@ def make_http_runner(args: argparse.Namespace, plan: BenchPlan,
     return runner
 
 
-def endpoint_lines(outcome: Any) -> list[str]:
-    """Per endpoint and concurrency: acceptance read from /metrics (or unknown), and failures."""
-    from specdecode.bench.stats import acceptance
-
-    results = outcome.analysis.results
-    lines = ["acceptance read from the endpoints' /metrics (per batch; other clients' traffic "
-             "would pollute it):"]
-    for s in outcome.analysis.configs:
-        mine = results.samples_of(s.key)
-        a = acceptance(mine)
-        if a.steps == 0:
-            text = "unknown (no speculation counters, or none attributable)"
-        elif a.drafted == 0:
-            text = "no draft tokens (speculation off)"
-        else:
-            text = (f"accepted/drafted {a.accepted}/{a.drafted} = {a.rate:.2f}, mean acceptance "
-                    f"length {a.mean_acceptance_length:.2f}, alpha (i.i.d. estimate) "
-                    f"{a.alpha:.2f}")
-        lines.append(f"  {s.spec.name:<18} concurrency {s.spec.batch_size}: {text}")
-    done = results.done_units()
-    failed = [f for f in results.failures if f.unit not in done]  # not measured again since
-    if failed:
-        lines.append(f"{len(failed)} request(s) failed (kept in results.jsonl, left out of "
-                     f"every statistic; --resume runs them again); first: {failed[0].error}")
-    return lines
-
-
 def execute(runner: Any, plan: BenchPlan, out: TextIO) -> Any:
     """run_bench with the plan's options; returns its BenchOutcome."""
     from specdecode.bench.harness import BenchOptions, run_bench
@@ -405,56 +350,6 @@ def default_max_tokens(args: argparse.Namespace) -> int:
     run with --max-tokens 1024 generates up to 1,024 tokens, as Spec-Bench's own scripts do),
     else DEFAULT_RUNNER_MAX_TOKENS."""
     return args.max_tokens if args.max_tokens is not None else DEFAULT_RUNNER_MAX_TOKENS
-
-
-def cmd_bench(args: argparse.Namespace, out: TextIO | None = None,
-              err: TextIO | None = None) -> int:
-    """`specdecode bench`: measure, write report.json / report.html, print the summary."""
-    out, err = out or sys.stdout, err or sys.stderr
-    start = time.perf_counter()
-    plan = plan_bench(args, err)
-    if args.endpoint:
-        runner = make_http_runner(args, plan, default_max_tokens(args))
-        try:
-            outcome = execute(runner, plan, out)
-        finally:
-            runner.close()
-        print("\n".join(endpoint_lines(outcome)), file=out)
-    else:
-        runner = make_runner(args, plan, default_max_tokens(args))
-        outcome = execute(runner, plan, out)
-    print(f"{outcome.measured} requests measured ({outcome.resumed} resumed) in "
-          f"{time.perf_counter() - start:.0f} s; results in {outcome.results_path.parent}",
-          file=out)
-    return 0
-
-
-def resolve_report(path: str) -> Path:
-    """A report path as given, or the report.json (else results.jsonl) of a run folder."""
-    p = Path(path)
-    if p.is_dir():
-        for name in ("report.json", "results.jsonl"):
-            if (p / name).exists():
-                return p / name
-        raise SpecDecodeError(f"{p} holds no report.json or results.jsonl")
-    return p
-
-
-def cmd_compare(args: argparse.Namespace, out: TextIO | None = None,
-                err: TextIO | None = None) -> int:
-    """`specdecode compare OLD NEW`: the changes beyond noise and whether tuning is stale."""
-    import json
-
-    from specdecode.bench.compare import compare
-    from specdecode.bench.stats import DEFAULT_RESAMPLES
-
-    out = out or sys.stdout
-    result = compare(resolve_report(args.old), resolve_report(args.new),
-                     n_resamples=args.resamples or DEFAULT_RESAMPLES, seed=args.seed)
-    print(result.render(), file=out)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1), encoding="utf-8")
-    return 0
 
 
 # ------------------------------------------------------------------------------------- tune
@@ -515,8 +410,8 @@ def plan_tune(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     if args.prompts < 1:
         raise SpecDecodeError(f"--prompts must be >= 1, got {args.prompts}")
     k_values = parse_int_list(args.k_values, "--k-values")
-    if k_values[-1] > 64:
-        raise SpecDecodeError(f"--k-values must be in 1..64, got {args.k_values!r}")
+    if k_values[-1] > MAX_K:
+        raise SpecDecodeError(f"--k-values must be in {K_RANGE}, got {args.k_values!r}")
     drafters = tune_drafters(args.drafters)
     if "draft-model" in drafters and not args.draft_model:
         raise SpecDecodeError("tuning draft-model needs --draft-model PATH")
@@ -527,192 +422,3 @@ def plan_tune(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     out_dir = preflight(args.out or default_out_dir("tune-"), False)
     return BenchPlan(workload, configs, out_dir, False, args.seed, args.max_tokens,
                      progress=not args.quiet, n_resamples=args.resamples)
-
-
-def _x(value: float) -> str:
-    return f"{value:.2f}x" if math.isfinite(value) else "-"
-
-
-def tune_lines(analysis: Any) -> tuple[list[str], Any]:
-    """The table of (drafter, k) candidates and the one with the best measured speedup."""
-    lines = [f"{'drafter':<14}{'k':>3}{'alpha':>7}{'c':>7}{'v':>7}{'predicted':>11}"
-             f"{'measured [95% CI]':>26}  audit"]
-    best, best_value = None, -math.inf
-    for s in analysis.configs:
-        if s.spec.is_plain:
-            continue
-        ratio = s.speedup.total_ratio if s.speedup is not None else None
-        measured = f"{_x(ratio.estimate)} [{ratio.low:.2f}, {ratio.high:.2f}]" if ratio else "-"
-        audit = analysis.audit_passed(s.spec.name, s.spec.batch_size)
-        verdict = {True: "pass", False: "FAIL", None: "-"}[audit]
-        lines.append(f"{s.spec.drafter:<14}{s.spec.k!s:>3}{s.acceptance.alpha:>7.2f}"
-                     f"{s.c:>7.2f}{s.v:>7.2f}{_x(s.predicted_speedup):>11}{measured:>26}  "
-                     f"{verdict}")
-        value = ratio.estimate if ratio is not None else math.nan
-        if audit is not False and math.isfinite(value) and value > best_value:
-            best, best_value = s, value
-    return lines, best
-
-
-def tune_verdict(best: Any) -> list[str]:
-    """The pick and its vLLM equivalent, or why speculation should stay off."""
-    from specdecode.bench.recommend import vllm_speculative_config
-
-    if best is None:
-        return ["pick: none (no candidate was measured against plain decoding)"]
-    ratio = best.speedup.total_ratio
-    head = (f"pick: {best.spec.drafter} k={best.spec.k}: measured {_x(ratio.estimate)} "
-            f"(95% CI {ratio.low:.2f}-{ratio.high:.2f}), predicted "
-            f"{_x(best.predicted_speedup)}, alpha {best.acceptance.alpha:.2f}")
-    lines = [head]
-    if not ratio.low > 1.0:
-        lines.append("note: its interval does not lie above 1 on this short calibration; "
-                     "confirm with `specdecode bench` before enabling speculation")
-    vllm, note = vllm_speculative_config(best.spec, int(best.spec.k))
-    if vllm is not None:
-        import json
-
-        lines.append(f"vLLM: --speculative-config '{json.dumps(vllm)}'")
-    if note:
-        lines.append(f"note: {note}")
-    return lines
-
-
-def cmd_tune(args: argparse.Namespace, out: TextIO | None = None,
-             err: TextIO | None = None) -> int:
-    """`specdecode tune`: a short calibration run over drafters and k; prints the pick."""
-    import io
-
-    from specdecode.bench.hardware import describe_hardware
-
-    out, err = out or sys.stdout, err or sys.stderr
-    start = time.perf_counter()
-    plan = plan_tune(args, err)
-    runner = make_runner(args, plan, args.max_tokens)
-    outcome = execute(runner, plan, io.StringIO())
-    header = outcome.analysis.results.header
-    print(f"specdecode tune: {header.model.name} ({header.model.precision}) on "
-          f"{describe_hardware(header.hardware)}; {len(plan.workload.prompts)} prompts, "
-          f"<= {args.max_tokens} tokens each, batch size 1", file=out)
-    lines, best = tune_lines(outcome.analysis)
-    print("\n".join([*lines, *tune_verdict(best)]), file=out)
-    print(f"calibrated in {time.perf_counter() - start:.0f} s; report: {outcome.report_html}",
-          file=out)
-    return 0
-
-
-# ---------------------------------------------------------------------------------- parsers
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--precision", default="fp32",
-                   help="fp32 | bf16 | int8 | w8a16 | w4a16 (default fp32)")
-    p.add_argument("--backend", default="auto",
-                   help="auto | native | transformers | llama.cpp (docs/llamacpp.md)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's choice; stated in the report)")
-    p.add_argument("--no-chat-template", action="store_true",
-                   help="send the raw turns instead of the model's chat template")
-
-
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default=None,
-                   help="JSONL file, Spec-Bench or plain format (default: the built-in one)")
-    p.add_argument("--categories", default=None, help="comma-separated categories to keep")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse a workload with a malformed line instead of skipping it")
-
-
-def _add_run_args(p: argparse.ArgumentParser, out_help: str) -> None:
-    p.add_argument("--out", type=Path, default=None, help=out_help)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resamples", type=int, default=None, help="bootstrap resamples")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def add_bench_parser(sub: Any) -> None:
-    """`specdecode bench`."""
-    b = sub.add_parser("bench", help="measure speculative decoding on a workload; report it",
-                       description=BENCH_DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_args(b)
-    _add_workload_args(b)
-    b.add_argument("--limit-per-category", type=int, default=None,
-                   help=f"first N prompts of each category (built-in workload default: "
-                        f"{DEFAULT_LIMIT_PER_CATEGORY}; a file: all)")
-    b.add_argument("--configs", default=None,
-                   help='e.g. "plain;int8:k=3;ngram:k=4" (default: '
-                        'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4)')
-    b.add_argument("--batch-sizes", default="1", help="comma-separated (default 1)")
-    b.add_argument("--max-tokens", type=int, default=None,
-                   help="new tokens per prompt: the limit of prompts that set no max_tokens "
-                        "and a cap on those that do (default: prompts without one get "
-                        f"{DEFAULT_RUNNER_MAX_TOKENS}; the built-in workload is capped at "
-                        f"{DEFAULT_MAX_TOKENS_CAP})")
-    b.add_argument("--audit-samples", type=int, default=DEFAULT_AUDIT_SAMPLES,
-                   help="generations per side of the sampled losslessness audit of each "
-                        f"speculative config at temperature > 0 (default "
-                        f"{DEFAULT_AUDIT_SAMPLES}; 0: none)")
-    b.add_argument("--resume", action="store_true", help="continue the run in --out")
-    b.add_argument("--endpoint", action="append", default=None, metavar="[NAME=]URL",
-                   help="measure this OpenAI-compatible server over HTTP instead of the "
-                        "in-process engine (repeatable: the first is the baseline; see above)")
-    b.add_argument("--api-key", default=None,
-                   help="--endpoint: Bearer token (default: $SPECDECODE_API_KEY if set)")
-    b.add_argument("--request-timeout", type=float, default=300.0,
-                   help="--endpoint: seconds a request may wait for its next byte (default 300)")
-    _add_run_args(b, "output folder (default: runs/<UTC timestamp>)")
-    b.set_defaults(func=cmd_bench)
-
-
-def add_compare_parser(sub: Any) -> None:
-    """`specdecode compare`."""
-    c = sub.add_parser("compare", help="what changed between two bench reports (beyond noise)")
-    c.add_argument("old", help="OLD report.json, results.jsonl or run folder")
-    c.add_argument("new", help="NEW report.json, results.jsonl or run folder")
-    c.add_argument("--json", default=None, help="also write the comparison to this file")
-    c.add_argument("--resamples", type=int, default=None, help="bootstrap resamples")
-    c.add_argument("--seed", type=int, default=0)
-    c.set_defaults(func=cmd_compare)
-
-
-def add_tune_parser(sub: Any) -> None:
-    """`specdecode tune`."""
-    t = sub.add_parser("tune", help="pick the drafter and k from a short calibration run")
-    _add_model_args(t)
-    _add_workload_args(t)
-    t.add_argument("--drafters", default=None,
-                   help="comma-separated (default: every drafter needing no extra argument)")
-    t.add_argument("--draft-model", default=None, help="draft checkpoint for draft-model")
-    t.add_argument("--k-values", default=TUNE_K_VALUES, help=f"default {TUNE_K_VALUES}")
-    t.add_argument("--prompts", type=int, default=TUNE_PROMPTS,
-                   help=f"calibration prompts, spread over the categories (default "
-                        f"{TUNE_PROMPTS})")
-    t.add_argument("--max-tokens", type=int, default=TUNE_MAX_TOKENS,
-                   help=f"tokens per calibration request (default {TUNE_MAX_TOKENS})")
-    _add_run_args(t, "output folder (default: runs/tune-<UTC timestamp>)")
-    t.set_defaults(func=cmd_tune)
-
-
-def register(subparsers: Any) -> None:
-    """Add `bench`, `compare` and `tune` to the CLI's subparsers (each sets `func`)."""
-    add_bench_parser(subparsers)
-    add_compare_parser(subparsers)
-    add_tune_parser(subparsers)
-
-
-def main_for_tests(argv: Sequence[str], out: TextIO | None = None,
-                   err: TextIO | None = None) -> int:
-    """Run one of these subcommands as the CLI would: a SpecDecodeError is one line on `err`
-    and exit status 2."""
-    parser = argparse.ArgumentParser(prog="specdecode")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(list(argv))
-    err = err or sys.stderr
-    try:
-        return int(args.func(args, out=out, err=err))
-    except SpecDecodeError as exc:
-        print(f"specdecode: error: {exc}", file=err)
-        return 2

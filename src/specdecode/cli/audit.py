@@ -1,0 +1,93 @@
+"""`specdecode audit`: the losslessness audit of a configuration (exit status 1 on FAIL)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from specdecode.cli.args import (
+    add_drafter_args,
+    add_model_args,
+    add_sampling_args,
+    check_k,
+    sampling_params,
+)
+from specdecode.errors import SpecDecodeError
+
+AUDIT_PROMPTS = (
+    "Write a short poem about the sea.",
+    "Explain what a hash table is.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+)
+FAULTS = ["q-without-temperature", "top-p-one-side", "sampler-one-side", "q-from-other-model"]
+
+
+def register(sub: Any) -> None:
+    """Add `audit` to the CLI's subparsers."""
+    a = sub.add_parser("audit", help="losslessness audit of a configuration (exit 1 on FAIL)")
+    a.add_argument("--prompt", default=None, help="prompt (default: a few built-in ones)")
+    a.add_argument("--samples", type=int, default=300,
+                   help="sampled mode: generations per side (default 300)")
+    a.add_argument("--tokens", type=int, default=2, help="sampled mode: tokens per outcome")
+    a.add_argument("--false-alarm", type=float, default=1e-3,
+                   help="p-value below which the audit fails (its false-alarm rate)")
+    a.add_argument("--inject-fault", default=None, choices=FAULTS,
+                   help="deliberately break the drafter to see the audit catch it")
+    a.add_argument("--json", action="store_true")
+    add_model_args(a)
+    add_sampling_args(a)
+    add_drafter_args(a)
+    a.set_defaults(func=cmd_audit, max_tokens=32)
+
+
+def _audit_drafter(args: argparse.Namespace, loaded: Any) -> Any:
+    """The per-request drafter maker the audit runs, with --inject-fault applied if asked."""
+    from specdecode.drafters.faults import FaultyDrafter
+    from specdecode.drafters.registry import drafter_factory
+
+    factory = drafter_factory(args.drafter, loaded.model, args.draft_model,
+                              tokenizer=loaded.tokenizer, heads=args.heads,
+                              distilled=args.distilled)
+    if factory is None:
+        raise SpecDecodeError("the audit needs a drafter (--drafter int8, ngram, ...)")
+    if args.inject_fault is None:
+        return factory
+    draft_model = getattr(factory(), "model", None)
+    if draft_model is None or not hasattr(draft_model, "cfg") or args.drafter == "layerskip":
+        raise SpecDecodeError(f"--inject-fault needs a model-based drafter, not {args.drafter}")
+    other = loaded.model if args.inject_fault == "q-from-other-model" else None
+    return lambda: FaultyDrafter(draft_model, args.inject_fault, other)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from specdecode.audit import audit_greedy, audit_sampled
+    from specdecode.models.loading import load_model
+
+    params = sampling_params(args)
+    check_k(args)
+    if args.samples < 10:
+        raise SpecDecodeError(f"--samples must be >= 10, got {args.samples}")
+    loaded = load_model(args.model, args.precision, args.backend)
+    tok = loaded.tokenizer
+    make = _audit_drafter(args, loaded)
+    eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
+    texts = [args.prompt] if args.prompt else list(AUDIT_PROMPTS)
+    prompts = [tok.encode_prompt(tok.apply_chat_template([{"role": "user", "content": t}])
+                          if tok.chat_template else t) for t in texts]
+    print(f"# audit: {loaded.name} ({loaded.backend}, {loaded.precision}), drafter "
+          f"{args.drafter}{' with fault ' + args.inject_fault if args.inject_fault else ''}, "
+          f"k={args.k}, temperature {params.temperature}", file=sys.stderr)
+    if params.greedy:
+        result = audit_greedy(loaded.model, prompts, params, make, args.k, eos)
+    else:
+        bar = tqdm(total=args.samples, desc="audit samples", file=sys.stderr)
+        result = audit_sampled(loaded.model, prompts[0], params, make, args.k, args.samples,
+                               args.tokens, args.false_alarm, seed=args.seed or 0, eos=eos,
+                               progress=lambda n: bar.update(n - bar.n))
+        bar.close()
+    print(json.dumps(result.to_dict()) if args.json else result.render())
+    return 0 if result.passed else 1

@@ -1,0 +1,132 @@
+"""`specdecode bench`: measure plain and speculative decoding on a workload, in process or
+against OpenAI-compatible endpoints, and write the report (the plan and the run: `bench.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from specdecode.bench import plan as bench_plan
+from specdecode.bench.plan import (
+    DEFAULT_AUDIT_SAMPLES,
+    DEFAULT_LIMIT_PER_CATEGORY,
+    DEFAULT_MAX_TOKENS_CAP,
+    DEFAULT_RUNNER_MAX_TOKENS,
+)
+from specdecode.cli.args import (
+    add_measurement_args,
+    add_model_args,
+    add_run_args,
+    add_workload_args,
+)
+
+BENCH_DESCRIPTION = """\
+Measure plain and speculative decoding side by side on a workload (interleaved, same prompts),
+write results.jsonl, report.json and a self-contained report.html, and print a summary with a
+recommendation. Results are saved as they are measured: after Ctrl-C, --resume continues.
+
+--configs "plain;int8:k=3;ngram:k=4,ngram_max=3": configurations separated by ";", each a
+drafter ("plain" for plain decoding) with optional key=value pairs after ":". Keys: k (an
+integer, or "auto": the controller, drafting at most kmax tokens, default 8), temperature
+(overrides the prompts'), name; other keys are drafter options (model=PATH for draft-model,
+ngram_max=N, layers=0+1+2). A plain baseline is added where one is missing.
+
+--endpoint [NAME=]URL (repeatable) measures OpenAI-compatible servers instead (this package's
+`specdecode serve`, vLLM, SGLang, llama.cpp...) over streaming HTTP: TTFT and inter-token latency
+are timed on this side per streamed event, acceptance is read from each server's /metrics
+(this server's or vLLM's spec_decode counters; unknown, not zero, where absent). Speculation is
+the server's own setting, so each endpoint is one configuration named NAME (default: host:port)
+and --configs does not apply: the FIRST endpoint is the baseline, the others are measured
+against it as speculative configurations, interleaved over the same prompts (to compare a
+speculative server with a plain one, list the plain one first). --batch-sizes are then the
+numbers of concurrent requests. --model is the model id to request (default: the first of GET
+/v1/models); --api-key (or $SPECDECODE_API_KEY) is sent as a Bearer token; --precision,
+--backend, --threads and --audit-samples do not apply; --no-chat-template sends raw text to
+/v1/completions instead of messages to /v1/chat/completions.
+"""
+
+
+def register(sub: Any) -> None:
+    """Add `bench` to the CLI's subparsers."""
+    b = sub.add_parser("bench", help="measure speculative decoding on a workload; report it",
+                       description=BENCH_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(b)
+    add_measurement_args(b)
+    add_workload_args(b)
+    b.add_argument("--limit-per-category", type=int, default=None,
+                   help=f"first N prompts of each category (built-in workload default: "
+                        f"{DEFAULT_LIMIT_PER_CATEGORY}; a file: all)")
+    b.add_argument("--configs", default=None,
+                   help='e.g. "plain;int8:k=3;ngram:k=4" (default: '
+                        'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4)')
+    b.add_argument("--batch-sizes", default="1", help="comma-separated (default 1)")
+    b.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per prompt: the limit of prompts that set no max_tokens "
+                        "and a cap on those that do (default: prompts without one get "
+                        f"{DEFAULT_RUNNER_MAX_TOKENS}; the built-in workload is capped at "
+                        f"{DEFAULT_MAX_TOKENS_CAP})")
+    b.add_argument("--audit-samples", type=int, default=DEFAULT_AUDIT_SAMPLES,
+                   help="generations per side of the sampled losslessness audit of each "
+                        f"speculative config at temperature > 0 (default "
+                        f"{DEFAULT_AUDIT_SAMPLES}; 0: none)")
+    b.add_argument("--resume", action="store_true", help="continue the run in --out")
+    b.add_argument("--endpoint", action="append", default=None, metavar="[NAME=]URL",
+                   help="measure this OpenAI-compatible server over HTTP instead of the "
+                        "in-process engine (repeatable: the first is the baseline; see above)")
+    b.add_argument("--api-key", default=None,
+                   help="--endpoint: Bearer token (default: $SPECDECODE_API_KEY if set)")
+    b.add_argument("--request-timeout", type=float, default=300.0,
+                   help="--endpoint: seconds a request may wait for its next byte (default 300)")
+    add_run_args(b, "output folder (default: runs/<UTC timestamp>)")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Measure, write report.json / report.html, print the summary."""
+    out, err = sys.stdout, sys.stderr
+    start = time.perf_counter()
+    plan = bench_plan.plan_bench(args, err)
+    if args.endpoint:
+        runner = bench_plan.make_http_runner(args, plan, bench_plan.default_max_tokens(args))
+        try:
+            outcome = bench_plan.execute(runner, plan, out)
+        finally:
+            runner.close()
+        print("\n".join(endpoint_lines(outcome)), file=out)
+    else:
+        runner = bench_plan.make_runner(args, plan, bench_plan.default_max_tokens(args))
+        outcome = bench_plan.execute(runner, plan, out)
+    print(f"{outcome.measured} requests measured ({outcome.resumed} resumed) in "
+          f"{time.perf_counter() - start:.0f} s; results in {outcome.results_path.parent}",
+          file=out)
+    return 0
+
+
+def endpoint_lines(outcome: Any) -> list[str]:
+    """Per endpoint and concurrency: acceptance read from /metrics (or unknown), and failures."""
+    from specdecode.bench.stats import acceptance
+
+    results = outcome.analysis.results
+    lines = ["acceptance read from the endpoints' /metrics (per batch; other clients' traffic "
+             "would pollute it):"]
+    for s in outcome.analysis.configs:
+        mine = results.samples_of(s.key)
+        a = acceptance(mine)
+        if a.steps == 0:
+            text = "unknown (no speculation counters, or none attributable)"
+        elif a.drafted == 0:
+            text = "no draft tokens (speculation off)"
+        else:
+            text = (f"accepted/drafted {a.accepted}/{a.drafted} = {a.rate:.2f}, mean acceptance "
+                    f"length {a.mean_acceptance_length:.2f}, alpha (i.i.d. estimate) "
+                    f"{a.alpha:.2f}")
+        lines.append(f"  {s.spec.name:<18} concurrency {s.spec.batch_size}: {text}")
+    done = results.done_units()
+    failed = [f for f in results.failures if f.unit not in done]  # not measured again since
+    if failed:
+        lines.append(f"{len(failed)} request(s) failed (kept in results.jsonl, left out of "
+                     f"every statistic; --resume runs them again); first: {failed[0].error}")
+    return lines

@@ -1,0 +1,10 @@
+"""Limits the engine and every front end (the CLI, the Python API, the server, `bench`) share.
+Imports nothing, so the lowest module can use it."""
+
+MAX_K = 64  # the longest draft one step may propose: --k, --kmax and a configuration's k
+K_RANGE = f"1..{MAX_K}"  # as error messages and help texts write it
+
+
+def valid_k(value: object) -> bool:
+    """An integer (not a bool) in 1..MAX_K."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_K
