@@ -8,9 +8,12 @@ Order of work in `run_bench`:
 3. one untimed warm-up batch per configuration that still has work (short: 16 new tokens);
 4. for each batch size, for each group of `batch_size` prompts: every configuration in turn,
    the order rotated by one per group so slow drift (thermal, background load) spreads evenly
-   over configurations; each sample is written (fsync'd) as soon as it is returned;
+   over configurations; the machine's CPU counters are read before and after each batch and the
+   difference (`interference.LoadReading`) is stored on its samples; each sample is written
+   (fsync'd) as soon as it is returned;
 5. cost curves, memory and audit verdicts from the runner (unless already stored);
-6. report.json and report.html, assembled from the results file, and the terminal summary.
+6. report.json and report.html, assembled from the results file, and the terminal summary
+   (both flag the configurations measured under interference, see `interference`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from specdecode.bench.hardware import detect_hardware
+from specdecode.bench.interference import Probe, assess, between, read_cpu_times
 from specdecode.bench.recommend import Recommendation, recommend
 from specdecode.bench.records import (
     SCHEMA_VERSION,
@@ -69,6 +73,7 @@ class BenchOptions:
     n_resamples: int = DEFAULT_RESAMPLES
     progress: bool = True
     warmup: bool = True
+    load_probe: Probe = read_cpu_times  # the CPU counters read around each measured batch
 
 
 @dataclass
@@ -178,20 +183,25 @@ def warm_up(runner: Runner, tasks: Sequence[Task]) -> None:
         runner.run(short, config)
 
 
-def measure(runner: Runner, store: ResultStore, tasks: Sequence[Task], progress: bool) -> int:
-    """Run the tasks, writing every new sample as it arrives; returns the count written."""
+def measure(runner: Runner, store: ResultStore, tasks: Sequence[Task], progress: bool,
+            probe: Probe = read_cpu_times) -> int:
+    """Run the tasks, writing every new sample as it arrives, each with the machine's load
+    over its batch; returns the count written."""
     written = 0
     with tqdm(total=len(tasks), unit="batch", disable=not progress, file=sys.stderr) as bar:
         for task in tasks:
             group, prompts, config = task
             bar.set_postfix_str(f"{config.name} bs={config.batch_size}")
             started = time.time()
+            before = probe()
             samples = runner.run(prompts, config)
+            reading = between(before, probe())
+            load = reading.to_dict() if reading is not None else {}
             _check_samples(task, samples)
             done = store.done_units()
             for s in samples:
                 if s.unit not in done:
-                    store.append(dataclasses.replace(s, group=group,
+                    store.append(dataclasses.replace(s, group=group, load=load,
                                                      started_at=s.started_at or started))
                     written += 1
             bar.update(1)
@@ -223,8 +233,10 @@ def finish(results_path: Path, options: BenchOptions, measured: int, resumed: in
     rec = recommend(analysis)
     report_json = results_path.parent / REPORT_JSON
     report_html = results_path.parent / REPORT_HTML
+    load = assess(results.header, results.samples)
     write_report_json(report_json, build_report(results, {"analysis": analysis.to_dict(),
-                                                          "recommendation": rec.to_dict()}))
+                                                          "recommendation": rec.to_dict(),
+                                                          "load": load.to_dict()}))
     write_html(report_html, analysis, rec)
     summary = render_summary(analysis, rec, str(report_html))
     return BenchOutcome(results_path, report_json, report_html, analysis, rec, summary,
@@ -251,7 +263,7 @@ def run_bench(
         try:
             if options.warmup and tasks:
                 warm_up(runner, tasks)
-            measured = measure(runner, store, tasks, options.progress)
+            measured = measure(runner, store, tasks, options.progress, options.load_probe)
             collect_extras(runner, store, configs)
         except KeyboardInterrupt:
             print(f"\ninterrupted: {len(store.results.samples)} samples are saved in "

@@ -4,7 +4,9 @@ Rule: a configuration is "on" at a batch size only where the lower bound of its 
 speedup's confidence interval (total ratio, see `stats`) is above 1 AND its losslessness audit
 passed (a configuration without any verdict is not recommended). Among configurations that are
 on at their smallest measured batch size, the one with the highest measured speedup there wins;
-it stays on up to the last batch size before the first one where it is not on.
+it stays on up to the last batch size before the first one where it is not on. Configurations
+measured under interference (other work on the machine, see `interference`) keep their verdict
+but the recommendation carries a warning naming them: such speedups are biased low.
 
 The equivalent vLLM setting is given as a `--speculative-config` JSON string. Key names follow
 vLLM's documentation of `SpeculativeConfig` ("method", "model", "num_speculative_tokens",
@@ -20,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from specdecode.bench import interference
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec, RequestSample
 from specdecode.bench.stats import (
@@ -49,6 +52,7 @@ class Recommendation:
     vllm_config: dict[str, Any] | None = None
     evidence: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. measured under interference
 
     @property
     def vllm_json(self) -> str | None:
@@ -71,7 +75,8 @@ class Recommendation:
         else:
             head = "Do not enable speculative decoding: no configuration showed a speedup " \
                    "whose confidence interval lies above 1 with a passing losslessness audit."
-        lines = [head, *(f"- {e}" for e in self.evidence), *(f"Note: {n}" for n in self.notes)]
+        lines = [head, *(f"Warning: {w}" for w in self.warnings),
+                 *(f"- {e}" for e in self.evidence), *(f"Note: {n}" for n in self.notes)]
         if self.vllm_json is not None:
             lines.append(f"vLLM: --speculative-config '{self.vllm_json}'")
         return "\n".join(lines)
@@ -209,7 +214,17 @@ def loop_note(analysis: Analysis, s: ConfigSummary) -> str | None:
 
 
 def recommend(analysis: Analysis) -> Recommendation:
-    """The deployment recommendation from an Analysis (see the module docstring)."""
+    """The deployment recommendation from an Analysis (see the module docstring), with a
+    warning when configurations were measured under interference (`interference.warning`)."""
+    rec = _recommend(analysis)
+    results = analysis.results
+    warning = interference.warning(interference.assess(results.header, results.samples))
+    if warning is not None:
+        rec.warnings.append(warning)
+    return rec
+
+
+def _recommend(analysis: Analysis) -> Recommendation:
     candidates: list[tuple[float, list[ConfigSummary], list[ConfigSummary]]] = []
     for runs in _by_name(analysis).values():
         prefix = _on_prefix(analysis, runs)

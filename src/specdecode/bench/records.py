@@ -33,6 +33,10 @@ a step):
 - `alpha_micro`, `alpha_positions`: the engine's direct measure of alpha, sum over verified draft
   positions of sum_x min(p(x), q(x)) in millionths, and the number of those positions (as in
   `specdecode.metrics.Counters`); 0 / 0 when the runner does not measure it.
+
+Machine load: `load` is the harness's reading of the CPU counters around the batch the request
+ran in (`bench.interference.LoadReading` as a dict: wall_s, other_cores, steal_cores,
+own_cores, load1, cores); empty when not recorded (files written before it existed).
 """
 
 from __future__ import annotations
@@ -147,6 +151,7 @@ class RequestSample:
     alpha_micro: int = 0
     alpha_positions: int = 0
     error: str = ""  # why the request failed ("" when it succeeded; see `failed`)
+    load: dict[str, float] = field(default_factory=dict)  # the machine's load (see above)
 
     @property
     def failed(self) -> bool:

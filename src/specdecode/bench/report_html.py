@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup
 
-from specdecode.bench import svg
+from specdecode.bench import interference, svg
 from specdecode.bench.hardware import describe_hardware
 from specdecode.bench.recommend import Recommendation
 from specdecode.bench.stats import Analysis, ConfigSummary, Interval, ecdf, histogram
@@ -58,12 +58,25 @@ def _audit_cell(analysis: Analysis, s: ConfigSummary) -> tuple[str, str]:
     return {True: ("pass", "pass"), False: ("FAIL", "fail"), None: ("none", "fail")}[passed]
 
 
+def _load_cell(load: interference.LoadReport, s: ConfigSummary) -> tuple[str, str]:
+    c = load.of(s.spec.name, s.spec.batch_size)
+    if c is None or not c.n_read:
+        return DASH, ""
+    if not load.judged:
+        return "not judged", ""
+    if c.disturbed:
+        return f"disturbed ({c.n_disturbed} of {c.n_requests})", "fail"
+    return "quiet", ""
+
+
 def summary_rows(analysis: Analysis) -> list[dict[str, Any]]:
     """One formatted row per (config, batch size) for the summary table."""
     rows = []
+    load = interference.assess(analysis.results.header, analysis.results.samples)
     for s in analysis.configs:
         a, spd = s.acceptance, s.speedup
         audit, audit_class = _audit_cell(analysis, s)
+        load_text, load_class = _load_cell(load, s)
         rows.append({
             "name": s.spec.name, "batch": s.spec.batch_size, "drafter": s.spec.drafter,
             "k": s.spec.k, "n": s.n_requests, "tokens": s.output_tokens,
@@ -78,7 +91,8 @@ def summary_rows(analysis: Analysis) -> list[dict[str, Any]]:
             "decode_speedup": _ci(spd.decode_ratio) if spd else DASH,
             "predicted": _num(s.predicted_speedup) + (f" ({s.cost_source})" if s.cost_source
                                                       else ""),
-            "audit": audit, "audit_class": audit_class,
+            "audit": audit, "audit_class": audit_class, "load": load_text,
+            "load_class": load_class,
         })
     return rows
 
@@ -197,6 +211,48 @@ def boundary_figures(analysis: Analysis) -> list[Markup]:
     return out
 
 
+def load_rows(load: interference.LoadReport) -> list[dict[str, Any]]:
+    """One formatted row per (config, batch size) for the machine-load table."""
+    return [{"config": c.config, "batch_size": c.batch_size, "n_requests": c.n_requests,
+             "n_read": c.n_read, "n_disturbed": c.n_disturbed,
+             "mean": _num(c.mean_taken_cores), "worst": _num(c.max_taken_cores),
+             "own": _num(c.mean_own_cores), "load1": _num(c.max_load1)} for c in load.configs]
+
+
+def load_figure(analysis: Analysis) -> Markup:
+    """Cores other work kept busy through the run, one point per measured batch, per config."""
+    samples = [s for s in analysis.results.samples if s.load and s.started_at]
+    if not samples:
+        return Markup("")
+    start = min(s.started_at for s in samples)
+    header = analysis.results.header
+    series = []
+    for c in analysis.configs:
+        points = sorted({(s.started_at - start, r.taken_cores) for s in samples
+                         if (s.config, s.batch_size) == c.key
+                         and (r := interference.LoadReading.from_dict(s.load)) is not None})
+        if points:
+            series.append(svg.Series(f"{c.spec.name} (batch {c.spec.batch_size})",
+                                     [x for x, _ in points], [y for _, y in points],
+                                     color_index=_slot(analysis, c.spec.name)))
+    return Markup(svg.line_chart(series, title="Other processes + steal through the run",
+                                 x_label="seconds since the first measured batch",
+                                 y_label="cores busy with other work", y_range=(0.0, None),
+                                 hline=interference.threshold_cores(
+                                     header, header.hardware.cpu_cores)))
+
+
+def _load_context(analysis: Analysis) -> dict[str, Any]:
+    results = analysis.results
+    load = interference.assess(results.header, results.samples)
+    return {"load": load, "load_rows": load_rows(load), "load_figure": load_figure(analysis),
+            "load_flagged": "; ".join(interference.describe(c, load.cores)
+                                      for c in load.flagged),
+            "load_advice": interference.rerun_advice(None),
+            "disturbed_cores": interference.DISTURBED_CORES,
+            "threshold_cores": interference.threshold_cores(results.header, load.cores)}
+
+
 def _table_rows(analysis: Analysis) -> dict[str, list[dict[str, Any]]]:
     audits = [{**a.to_dict(), "batch": a.batch_size if a.batch_size is not None else "all",
                "p_value": _num(a.p_value, 4)} for a in analysis.audits]
@@ -239,6 +295,7 @@ def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
         "boundary_figures": boundary_figures(analysis),
         "prompts": prompts_from_description(header.workload),
         **_table_rows(analysis),
+        **_load_context(analysis),
     }
     return env.get_template(TEMPLATE).render(**context)
 

@@ -8,7 +8,9 @@ its header describes a different model, workload, machine or set of configuratio
 which (config, prompt, turn, batch_size) units are done so the harness skips them. A failed
 request (a "sample" whose "error" is set, e.g. an HTTP 500 from an endpoint) is kept, with what it
 measured before failing, in `Results.failures` and report.json's "failures": it is in no
-statistic, and --resume measures its unit again.
+statistic, and --resume measures its unit again. So does a request measured under interference
+(`bench.interference.is_disturbed`): the later measurement of a unit replaces the earlier one in
+every statistic, and the replaced sample stays in the file and in report.json's "superseded".
 
 `report.json` is assembled from the JSONL (every raw sample kept) and written atomically
 (temporary name, fsync, rename).
@@ -24,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from specdecode.bench.interference import is_disturbed
 from specdecode.bench.records import (
     SCHEMA_VERSION,
     AuditVerdict,
@@ -51,15 +54,21 @@ class Results:
     header: RunHeader
     samples: list[RequestSample] = field(default_factory=list)  # requests that succeeded
     failures: list[RequestSample] = field(default_factory=list)  # requests that failed
+    superseded: list[RequestSample] = field(default_factory=list)  # measured again later
     cost_curves: list[CostCurve] = field(default_factory=list)
     memory: list[MemoryRecord] = field(default_factory=list)
     audits: list[AuditVerdict] = field(default_factory=list)
     truncated_tail: bool = False  # the last line was cut short (a crash mid-write), ignored
+    _where: dict[UnitKey, int] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, record: Record) -> None:
-        """File a record under its kind."""
+        """File a record under its kind; a successful sample of a unit already measured
+        replaces the earlier one (which moves to `superseded`)."""
         if isinstance(record, RequestSample):
-            (self.failures if record.failed else self.samples).append(record)
+            if record.failed:
+                self.failures.append(record)
+            else:
+                self._add_sample(record)
         elif isinstance(record, CostCurve):
             self.cost_curves.append(record)
         elif isinstance(record, MemoryRecord):
@@ -67,14 +76,25 @@ class Results:
         else:
             self.audits.append(record)
 
+    def _add_sample(self, sample: RequestSample) -> None:
+        if len(self._where) != len(self.samples):  # samples were given to the constructor
+            self._where = {s.unit: i for i, s in enumerate(self.samples)}
+        at = self._where.get(sample.unit)
+        if at is None:
+            self._where[sample.unit] = len(self.samples)
+            self.samples.append(sample)
+        else:
+            self.superseded.append(self.samples[at])
+            self.samples[at] = sample
+
     def samples_of(self, key: tuple[str, int]) -> list[RequestSample]:
         """The successful requests of one (config, batch size)."""
         return [s for s in self.samples if (s.config, s.batch_size) == key]
 
     def done_units(self) -> set[UnitKey]:
         """The (config, prompt_id, turn, batch_size) units already measured (a failed request
-        is not: --resume runs it again)."""
-        return {s.unit for s in self.samples}
+        is not, nor one measured under interference: --resume runs them again)."""
+        return {s.unit for s in self.samples if not is_disturbed(s, self.header)}
 
 
 def check_writable(folder: str | Path) -> Path:
@@ -269,6 +289,7 @@ def build_report(results: Results, derived: dict[str, Any] | None = None) -> dic
         "header": results.header.to_dict(),
         "samples": [s.to_dict() for s in results.samples],
         "failures": [s.to_dict() for s in results.failures],
+        "superseded": [s.to_dict() for s in results.superseded],
         "cost_curves": [c.to_dict() for c in results.cost_curves],
         "memory": [m.to_dict() for m in results.memory],
         "audits": [a.to_dict() for a in results.audits],
@@ -287,8 +308,8 @@ def results_from_report(report: object) -> Results:
     if not isinstance(report, dict) or "header" not in report:
         raise SpecDecodeError("not a specdecode report: no header")
     results = Results(header=RunHeader.from_dict(report["header"]))
-    for kind, key in (("sample", "samples"), ("sample", "failures"), ("cost_curve", "cost_curves"),
-                      ("memory", "memory"), ("audit", "audits")):
+    for kind, key in (("sample", "superseded"), ("sample", "samples"), ("sample", "failures"),
+                      ("cost_curve", "cost_curves"), ("memory", "memory"), ("audit", "audits")):
         for item in report.get(key, []):
             results.add(record_from_dict(kind, item))
     return results

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+from specdecode.bench import interference
 from specdecode.bench.hardware import describe_hardware
 from specdecode.bench.recommend import Recommendation
 from specdecode.bench.stats import Analysis, ConfigSummary
@@ -35,11 +37,35 @@ def config_lines(analysis: Analysis, s: ConfigSummary) -> list[str]:
     return lines
 
 
+def load_lines(report: interference.LoadReport, out_dir: Path | None) -> list[str]:
+    """The machine's load through the run; the disturbed configurations and how to re-measure
+    them. Nothing for a run that recorded no load (written before it was recorded)."""
+    if not report.recorded:
+        return []
+    read = [c for c in report.configs if c.n_read]
+    mean = sum(c.mean_taken_cores * c.n_read for c in read) / sum(c.n_read for c in read)
+    worst = max(c.max_taken_cores for c in read)
+    line = (f"machine load: other processes kept {mean:.2f} of {report.cores} cores busy on "
+            f"average while measuring (worst batch {worst:.2f}), 1-minute load average up to "
+            f"{max(c.max_load1 for c in read):.2f}")
+    if not report.judged:
+        return [line + "; not judged over HTTP (a local server's work counts as other "
+                "processes)"]
+    flagged = report.flagged
+    if not flagged:
+        return [line + "; no configuration was measured under interference"]
+    lines = [line + ".", "MEASURED UNDER INTERFERENCE (speculation's speedups are biased low):"]
+    lines += [f"  {interference.describe(c, report.cores)}" for c in flagged]
+    lines.append(interference.rerun_advice(out_dir))
+    return lines
+
+
 def render_summary(
     analysis: Analysis, recommendation: Recommendation, report_path: str | None = None
 ) -> str:
     """The whole terminal summary: setup line, per batch size the configs, the verdict."""
     header = analysis.results.header
+    load = interference.assess(header, analysis.results.samples)
     lines = [f"specdecode bench: {header.model.name} ({header.model.precision}) on "
              f"{describe_hardware(header.hardware)}; workload {header.workload.get('name')} "
              f"({header.workload.get('n_prompts')} prompts)"]
@@ -48,6 +74,12 @@ def render_summary(
         for s in analysis.configs:
             if s.spec.batch_size == batch:
                 lines += config_lines(analysis, s)
+                measured = load.of(s.spec.name, batch)
+                if measured is not None and measured in load.flagged:
+                    lines.append(f"  {'':<18} INTERFERENCE: {measured.n_disturbed} of "
+                                 f"{measured.n_requests} requests measured while other work "
+                                 f"kept up to {measured.max_taken_cores:.1f} cores busy")
+    lines += load_lines(load, Path(report_path).parent if report_path else None)
     lines.append(recommendation.render())
     if report_path:
         lines.append(f"report: {report_path}")
