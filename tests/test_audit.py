@@ -37,7 +37,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     torch.set_num_threads(threads)
 
 
-PARAMS = SamplingParams(temperature=0.5, top_p=0.9)
+PARAMS = SamplingParams(temperature=0.5, top_p=0.9, rule="residual")
 
 
 def test_sampled_audit_passes_a_consistent_draft(pair: Any) -> None:

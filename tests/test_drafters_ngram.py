@@ -213,7 +213,7 @@ def audit(
     counts = torch.zeros(V * V)
     drafted = accepted = 0
     for i in range(N_AUDIT):
-        params = SamplingParams(temperature=1.0, max_tokens=3, seed=seed + i)
+        params = SamplingParams(temperature=1.0, max_tokens=3, seed=seed + i, rule="residual")
         gen = Generation(model, None, prompt, params, make(), k)
         while len(gen.output) < 2:
             gen.step()

@@ -28,7 +28,7 @@ from specdecode.verify import VerifyResult
 from tests.conftest import make_checkpoint
 
 FALSE_ALARM = 1e-4  # chance that a correct engine fails this test
-PARAMS = SamplingParams(temperature=0.5, top_p=0.9, max_tokens=2)
+PARAMS = SamplingParams(temperature=0.5, top_p=0.9, max_tokens=2, rule="residual")
 PROMPT = [5, 7, 3, 8]
 CELLS = 40  # most likely pairs kept as cells; the rest form one "other" cell
 SMALL = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,

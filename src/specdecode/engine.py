@@ -28,6 +28,7 @@ logits bit for bit, and commit hands the drafter the hidden rows of the position
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -43,9 +44,22 @@ from specdecode.limits import MAX_K
 from specdecode.metrics import Counters
 from specdecode.models.cache import copies_rows, holds_tensors
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
-from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, uses_history
+from specdecode.sampling import (
+    PositionNoise,
+    SamplingParams,
+    greedy_tokens,
+    probs_from_logits,
+    process_logits,
+    uses_history,
+)
 from specdecode.stopping import StopChecker
-from specdecode.verify import VerifyResult, acceptance_probability, verify_chain, verify_greedy
+from specdecode.verify import (
+    VerifyResult,
+    acceptance_probability,
+    verify_chain,
+    verify_greedy,
+    verify_invariant,
+)
 
 PREFILL_CHUNK = 256
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -97,7 +111,11 @@ class Generation:
         self.model_k: int | None = None  # the controller's k for a fits_width drafter's model
         self.category = category
         self.eos_ids = frozenset(eos_ids)
-        self.generator = make_generator(params.seed)
+        # a request without a seed gets one, recorded, so that any output can be reproduced
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.generator = make_generator(self.seed)
+        self.noise = None if params.greedy or params.rule != "invariant" else \
+            PositionNoise(self.seed)
         self.prompt_len = len(prompt_ids)
         self.context = list(prompt_ids)
         self.output: list[int] = []
@@ -184,7 +202,7 @@ class Generation:
         if self.drafter is None or k <= 0:
             return Draft(_EMPTY, None)
         request = DraftRequest(ids_tensor(self.context), k, self.params, self.prompt_len,
-                               self.generator, self.model_k)
+                               self.generator, self.model_k, self.noise, self.position)
         if self.drafter.cache_model is not None and holds_tensors(self.cache):
             return self.drafter.rounds(request)
         with torch.inference_mode():
@@ -196,6 +214,12 @@ class Generation:
         """The draft cut to this step's budget, as the verifier takes it."""
         draft = cut(draft, self._draft_budget())
         return Draft(draft.tokens.to(torch.long), draft.q, draft.confidence)
+
+    @property
+    def position(self) -> int:
+        """The output position of the next token (the first draft token, or the one sampled):
+        what the position-keyed noise is keyed by."""
+        return len(self.context) - self.prompt_len
 
     def _draft_budget(self) -> int:
         return min(self.next_k, self.params.max_tokens - len(self.output) - 1)
@@ -235,6 +259,12 @@ class Generation:
             seen = min(result.num_accepted + 1, k)
             return result, [float(target[i] == draft.tokens[i]) for i in range(seen)]
         ctx = ids_tensor(self.context)
+        if self.noise is not None:  # rule "invariant": the target's Gumbel-max tokens
+            x = process_logits(logits, self.params, ctx, self.prompt_len, draft.tokens)
+            noise, first, vocab = self.noise, self.position, x.shape[-1]
+            result = verify_invariant(x, draft.tokens, lambda i: noise.gumbel(first + i, vocab))
+            seen = min(result.num_accepted + 1, k)
+            return result, [float(result.tokens[i] == draft.tokens[i]) for i in range(seen)]
         p = probs_from_logits(logits, self.params, ctx, self.prompt_len, draft.tokens)
         result = verify_chain(p, draft.q, draft.tokens, self.generator)
         seen = min(result.num_accepted + 1, k)

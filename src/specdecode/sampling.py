@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdecode.errors import SpecDecodeError
 
 MIN_TEMPERATURE = 1e-5
+RULES = ("invariant", "residual")  # SamplingParams.rule
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI convention; output tokens only
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     seed: int | None = None
+    # How a sampled draft is verified (greedy ignores it): "invariant" draws every output
+    # position's token by the Gumbel-max trick from noise keyed by (seed, position), so a seed
+    # gives the same tokens whatever was drafted (Daliri, Musco and Suresh 2024); "residual" is
+    # the standard rejection rule (Leviathan et al. 2023), with the higher acceptance for a
+    # drafter that reports q, but tokens that depend on what was drafted. docs/design.md.
+    rule: str = "invariant"
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
 
@@ -61,6 +70,10 @@ class SamplingParams:
                 raise SpecDecodeError(f"{name} must be in [-2, 2], got {value}")
         if self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.rule not in RULES:
+            raise SpecDecodeError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise SpecDecodeError(f"seed must be in -2**63..2**64-1, got {self.seed}")
         if any(s == "" for s in self.stop):
             raise SpecDecodeError("stop strings must be non-empty")
         for token, bias in self.logit_bias:
@@ -174,6 +187,53 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
             not x.requires_grad:
         return torch.from_numpy(x.numpy().argmax(axis=-1).astype("int64", copy=False))
     return x.argmax(dim=-1)
+
+
+class PositionNoise:
+    """A request's Gumbel noise, one (V,) vector per output position, keyed by (seed, position).
+
+    Counter-based: position i's noise is the Philox4x64 stream keyed by (seed mod 2**64, i)
+    (numpy's bit generator, whose raw stream numpy keeps stable across versions), so it is the
+    same whoever asks for it and in whatever order: plain decoding, the verifier and a model
+    drafter all see the same g_i, and no draw elsewhere moves it. Uniforms v from 32 random bits
+    go through E = -log1p(-v) (Exp(1), exact near E = 0 where the winning tail lies) and
+    g = -log(E) (Gumbel): the tail is cut at probability 2**-33 per token and position.
+    The last few positions are kept, since a model drafter and then the verifier ask for them.
+    """
+
+    def __init__(self, seed: int, keep: int = 8) -> None:
+        self.seed = seed % 2**64
+        self._keep = keep
+        self._made: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+
+    def gumbel(self, position: int, vocab_size: int) -> torch.Tensor:
+        """The (vocab_size,) float32 Gumbel noise of output position `position` (>= 0)."""
+        key = (position, vocab_size)
+        made = self._made.get(key)
+        if made is None:
+            made = _gumbel(self.seed, position, vocab_size)
+            self._made[key] = made
+            if len(self._made) > self._keep:
+                self._made.popitem(last=False)
+        return made
+
+
+def _gumbel(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    if position < 0:
+        raise ValueError(f"output position must be >= 0, got {position}")
+    key = np.array([seed, position], dtype=np.uint64)
+    raw = np.random.Philox(key=key).random_raw((vocab_size + 1) // 2)
+    bits = raw.view(np.uint32)[:vocab_size]
+    v = (bits.astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-32)  # (0, 1)
+    return torch.from_numpy(-np.log(-np.log1p(-v)))
+
+
+def gumbel_argmax(x: torch.Tensor, noise: torch.Tensor | None) -> int:
+    """The Gumbel-max token of one row of processed logits `x` (V,): argmax(x + g), which is
+    distributed as softmax(x) (masked entries, -inf, never win). No noise: the argmax."""
+    if noise is None:
+        return int(argmax_rows(x[None])[0])
+    return int(argmax_rows((x.to(torch.float32) + noise)[None])[0])
 
 
 def uses_history(params: SamplingParams) -> bool:

@@ -18,11 +18,12 @@ Language Model Decoding with Speculative Sampling").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from specdecode.sampling import sample
+from specdecode.sampling import gumbel_argmax, sample
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,39 @@ def verify_chain(
         next_token = int(sample(_residual(p[i], q_i, draft[i]), generator))
     tokens = torch.tensor([*draft[:num_accepted], next_token], dtype=torch.int64)
     return VerifyResult(num_accepted, tokens)
+
+
+def verify_invariant(
+    x: torch.Tensor,  # (k+1, V) the target's processed logits (sampling.process_logits)
+    draft_tokens: torch.Tensor,  # (k,) int64
+    noise: Callable[[int], torch.Tensor],  # row i -> (V,) Gumbel noise of its output position
+) -> VerifyResult:
+    """Drafter-invariant verification (Daliri, Musco and Suresh 2024, "Coupling without
+    Communication and Drafter-Invariant Speculative Decoding").
+
+    The target's token at row i is its Gumbel-max token argmax(x_i + g_i), g_i the noise of
+    that row's output position: distributed as softmax(x_i), and exactly the token plain
+    decoding with the same seed draws there. Draft tokens are accepted while they equal it; the
+    first that does not is replaced by it (recovered), and after k accepted tokens row k gives
+    the bonus token. Every emitted token is the target's Gumbel-max token at its position, so
+    the output is token-identical to plain seeded decoding whatever was drafted (and its
+    distribution is the target's). A model drafter that draws x_i = argmax(log q_i + g_i) with
+    the same g_i is accepted with probability >= (1 - TV(p, q)) / (1 + TV(p, q)) (their bound);
+    a drafter without q is accepted with probability p_i(x_i), as under verify_chain.
+
+    The noise is asked for lazily, row by row, only up to the first mismatch. Greedy decoding is
+    the limit of no noise (verify_greedy on the argmax).
+    """
+    k = draft_tokens.numel()
+    if x.dim() != 2 or x.shape[0] != k + 1:
+        raise ValueError(f"x must be ({k + 1}, V) for {k} draft tokens, got {tuple(x.shape)}")
+    draft = draft_tokens.tolist()
+    tokens: list[int] = []
+    for i in range(k + 1):
+        tokens.append(gumbel_argmax(x[i], noise(i)))
+        if i == k or tokens[-1] != draft[i]:
+            break
+    return VerifyResult(len(tokens) - 1, torch.tensor(tokens, dtype=torch.int64))
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

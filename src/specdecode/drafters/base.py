@@ -24,7 +24,14 @@ from typing import Any, Protocol
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
+from specdecode.sampling import (
+    PositionNoise,
+    SamplingParams,
+    greedy_tokens,
+    gumbel_argmax,
+    process_logits,
+    sample,
+)
 
 EMPTY = torch.zeros(0, dtype=torch.long)  # no tokens (an empty draft, or no draft yet)
 
@@ -48,11 +55,17 @@ class DraftRequest:
     k: int  # propose at most this many tokens (fewer, even zero, is allowed)
     params: SamplingParams  # the request's sampling: draw with these (drafters.base.draw)
     prompt_len: int  # context[:prompt_len] is the prompt (penalties read what follows)
-    generator: torch.Generator | None = None  # the request's generator: every draw uses it
+    generator: torch.Generator | None = None  # the request's generator (rule "residual")
     # Under the controller (--k auto), for a drafter that `fits_width`: the controller's draft
     # length for the drafter's costly model part (a hybrid's; 0 = it sits out), while `k` is the
     # most its free part may propose. None: `k` for both.
     model_k: int | None = None
+    # Rule "invariant" (sampled): the request's position-keyed noise, and the output position of
+    # the first draft token. Draft token i is then drawn as argmax(log q_i + g_(position + i)),
+    # with the noise the verifier uses at that position: the coupling that makes it likely to
+    # be accepted (verify.verify_invariant).
+    noise: PositionNoise | None = None
+    position: int = 0
 
     def with_k(self, k: int) -> DraftRequest:
         """The same request for up to `k` tokens (a wrapper asking its inner drafter)."""
@@ -154,14 +167,20 @@ def ids_tensor(ids: list[int]) -> torch.Tensor:
         0, dtype=torch.int64)
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor, prompt_len: int,
-         generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-    """One draft token from a drafter's (1, V) logits through the shared sampling pipeline:
-    greedy (q None), or sampled with the q (V,) it was drawn from."""
+def draw(logits: torch.Tensor, request: DraftRequest, history: torch.Tensor, i: int
+         ) -> tuple[int, torch.Tensor | None]:
+    """Draft token i of `request` from a drafter's (1, V) logits after `history` (the context
+    and draft tokens 0..i-1), through the shared sampling pipeline: greedy (q None), or sampled
+    with the q (V,) it was drawn from: by the request's position-keyed noise under rule
+    "invariant", from its generator under "residual"."""
+    params, prompt_len = request.params, request.prompt_len
     if params.greedy:
         return int(greedy_tokens(logits, params, history, prompt_len, EMPTY)[0]), None
-    q = probs_from_logits(logits, params, history, prompt_len, EMPTY)[0]
-    return int(sample(q, generator)), q
+    x = process_logits(logits, params, history, prompt_len, EMPTY)[0]  # (V,)
+    q = torch.softmax(x, dim=-1)
+    if request.noise is not None:
+        return gumbel_argmax(x, request.noise.gumbel(request.position + i, x.shape[-1])), q
+    return int(sample(q, request.generator)), q
 
 
 def require_native(target: Any, drafter: str) -> None:

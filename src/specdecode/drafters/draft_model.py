@@ -130,8 +130,7 @@ class DraftModelDrafter(Drafter):
     def rounds(self, request: DraftRequest) -> Rounds:
         """Yield the token to feed next (the pending one, then each draft token but the last),
         receive its (V,) logits, draw from them; return the k drafted tokens and their q."""
-        k, params, prompt_len, generator = (request.k, request.params, request.prompt_len,
-                                            request.generator)
+        k = request.k
         if k <= 0:
             return Draft(EMPTY, None)
         history = request.context.tolist()
@@ -139,8 +138,7 @@ class DraftModelDrafter(Drafter):
         qs: list[torch.Tensor] = []
         logits = yield history[-1]
         for i in range(k):
-            tok, q = draw(logits.view(1, -1), params, ids_tensor(history + tokens), prompt_len,
-                          generator)
+            tok, q = draw(logits.view(1, -1), request, ids_tensor(history + tokens), i)
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:

@@ -44,7 +44,6 @@ from torch import nn
 
 from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest, draw, ids_tensor
 from specdecode.errors import SpecDecodeError
-from specdecode.sampling import SamplingParams
 
 WEIGHTS_FILE = "heads.safetensors"
 DEFAULT_HEADS = "smollm2-135m"  # folder under specdecode/data/heads
@@ -243,11 +242,9 @@ class HeadsDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Draft:
         with torch.inference_mode():
-            return self._propose(request.context.tolist(), request.k, request.params,
-                                 request.prompt_len, request.generator)
+            return self._propose(request.context.tolist(), request.k, request)
 
-    def _propose(self, ctx: list[int], k: int, params: SamplingParams, prompt_len: int,
-                 generator: torch.Generator | None) -> Draft:
+    def _propose(self, ctx: list[int], k: int, request: DraftRequest) -> Draft:
         if len(ctx) < 2 or self.num_feats < len(ctx) - 1 or len(ctx) + k > self.capacity:
             return Draft(EMPTY, None)  # no target features for this context (yet)
         self._reserve(len(ctx) + k)
@@ -256,7 +253,7 @@ class HeadsDrafter(Drafter):
         qs: list[torch.Tensor] = []
         for i in range(k):
             logits = self.model.full_logits(hidden)  # (1, V)
-            tok, q = draw(logits, params, ids_tensor(ctx + tokens), prompt_len, generator)
+            tok, q = draw(logits, request, ids_tensor(ctx + tokens), i)
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:
