@@ -70,6 +70,9 @@ def test_k_auto_is_lossless_and_a_seed_repeats_plain_sampling(tiny: Path) -> Non
     one = plain.generate("t5 t6 t7 t5 t6", max_tokens=10, temperature=0.8, seed=3)
     two = plain.generate("t5 t6 t7 t5 t6", max_tokens=10, temperature=0.8, seed=3)
     assert one.tokens == two.tokens and one.text == two.text
+    drawn = plain.generate("t5 t6 t7 t5 t6", max_tokens=10, temperature=0.8)  # no seed given
+    spec = auto.generate("t5 t6 t7 t5 t6", max_tokens=10, temperature=0.8, seed=drawn.seed)
+    assert one.seed == 3 and drawn.seed is not None and spec.tokens == drawn.tokens
 
 
 @pytest.mark.usefixtures("no_model")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import specdecode.engine as engine
 from specdecode.audit import audit_greedy, audit_sampled
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.faults import FaultyDrafter
@@ -56,6 +58,21 @@ def test_sampled_audit_fails_an_inconsistent_draft(pair: Any, fault: str) -> Non
     make = lambda: FaultyDrafter(draft, fault, target)  # noqa: E731
     result = audit_sampled(target, [5, 7, 3, 8], PARAMS, make, 2, samples=400)
     assert not result.passed and "FAIL" in result.render()
+
+
+def test_invariant_audit_checks_identity_per_seed(
+        pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule invariant: every plain seed is also run speculatively and must match, which catches
+    a broken coupling (noise keyed by step, not output position) the distribution test may not."""
+    target, draft = pair
+    invariant = dataclasses.replace(PARAMS, rule="invariant")
+    ok = audit_sampled(target, [5, 7, 3, 8], invariant, lambda: DraftModelDrafter(draft), 2,
+                       samples=100, tokens=4)
+    assert ok.passed and ok.identical == 100 and "100/100 seeds" in ok.render()
+    monkeypatch.setattr(engine.Generation, "position", property(lambda g: g.counters.steps))
+    broken = audit_sampled(target, [5, 7, 3, 8], invariant, lambda: DraftModelDrafter(draft), 2,
+                           samples=100, tokens=4)
+    assert not broken.passed and broken.identical is not None and broken.identical < 100
 
 
 def test_greedy_audit_counts_mismatches(pair: Any) -> None:

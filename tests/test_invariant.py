@@ -275,3 +275,29 @@ def test_the_pipeline_applied_to_q_only_is_caught(
                         lambda logits, *args, **kwargs: logits.to(torch.float32))
     counts = observed_pairs(target, lambda: DraftModelDrafter(draft), 3, SAMPLES, INVARIANT)
     assert gof_p_value(counts, exact_pairs(target, INVARIANT)) < FALSE_ALARM
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a seed goes: the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_generate_reports_its_seed_and_the_seed_reproduces_it(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    import json
+
+    from tests.cli_run import run_cli
+
+    folder = str(make_checkpoint(tmp_path_factory.mktemp("cli") / "tiny", seed=3))
+    common = ["generate", "t5 t17 t42 t8 t5 t17 t42", "--model", folder, "--max-tokens", "24",
+              "--temperature", "0.9", "--json"]
+    code, out, err = run_cli(common)
+    assert code == 0, err
+    first = json.loads(out)
+    assert isinstance(first["seed"], int) and first["rule"] == "invariant"
+    code, out, err = run_cli([*common, "--seed", str(first["seed"]), "--drafter", "ngram",
+                              "--k", "3"])
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == first["token_ids"]
+    code, out, err = run_cli([*common, "--rule", "sometimes"])
+    assert code == 2 and "--rule" in err

@@ -42,6 +42,7 @@ class GenerateResult:
     counters: Counters  # drafted, accepted, steps, per-phase times (rates derived on read)
     ttft_s: float | None = None  # seconds to the first token (prefill included)
     total_s: float = 0.0
+    seed: int | None = None  # the sampling seed (given, or drawn): passing it reproduces this
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -187,14 +188,19 @@ class Specdecode:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 stop: Sequence[str] = (), seed: int | None = None) -> GenerateResult:
+                 stop: Sequence[str] = (), seed: int | None = None,
+                 rule: str = "invariant") -> GenerateResult:
         """Generate from `prompt` (with the model's chat template when `chat`) until EOS, a stop
-        string or `max_tokens`. temperature 0 is greedy: token-identical to plain decoding."""
+        string or `max_tokens`. temperature 0 is greedy: token-identical to plain decoding.
+        Sampled, under rule "invariant", the tokens are plain decoding's for the seed (the
+        result's `seed`, drawn when none is given), whatever the drafter; "residual" is the
+        standard rejection rule (docs/design.md)."""
         stream = self._stream(prompt, chat=chat, max_tokens=max_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty,
                               presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, stop=stop, seed=seed)
+                              frequency_penalty=frequency_penalty, stop=stop, seed=seed,
+                              rule=rule)
         for _ in stream.pieces:
             pass
         assert stream.result is not None
@@ -208,7 +214,8 @@ class Specdecode:
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 min_p: float = 0.0, repetition_penalty: float = 1.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                stop: Sequence[str] = (), seed: int | None = None) -> _Stream:
+                stop: Sequence[str] = (), seed: int | None = None,
+                rule: str = "invariant") -> _Stream:
         from specdecode.engine import Generation
         from specdecode.sampling import SamplingParams
 
@@ -220,15 +227,15 @@ class Specdecode:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, seed=seed, max_tokens=max_tokens,
-            stop=tuple(stop))
+            stop=tuple(stop), rule=rule)
         params.validate()
         tok, model = self.loaded.tokenizer, self.loaded.model
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         factory = self._factory
         gen = Generation(model, tok, tok.encode_prompt(text), params,
                          factory() if factory else None, self.k, self._eos)
-        steps = auto_steps(model, gen, self.max_step_cost) if self.auto and factory else \
-            gen.run()
+        steps = auto_steps(self.loaded, gen, self.max_step_cost) if self.auto and factory \
+            else gen.run()
         stream = _Stream(iter(()))
 
         def pieces() -> Iterator[str]:
@@ -245,7 +252,8 @@ class Specdecode:
             finally:
                 gen.release()
             stream.result = GenerateResult("".join(parts), list(gen.output), gen.finish_reason,
-                                           gen.counters, first, time.perf_counter() - start)
+                                           gen.counters, first, time.perf_counter() - start,
+                                           gen.seed)
 
         stream.pieces = pieces()
         return stream
@@ -306,15 +314,17 @@ def _bench_args() -> argparse.Namespace:
     return parser.parse_args(["bench"])
 
 
-def auto_steps(model: Any, gen: Any, max_step_cost: float | None = None) -> Iterator[Any]:
-    """Steps of `gen` under the controller (--k auto): a batch-1 engine, costs measured first."""
-    from specdecode.calibration import calibrated_costs
+def auto_steps(loaded: Any, gen: Any, max_step_cost: float | None = None) -> Iterator[Any]:
+    """Steps of `gen` under the controller (--k auto): a batch-1 engine on the LoadedModel's
+    model, starting from its measured costs (measured on the first run, then read from the
+    cache: calibration_cache)."""
+    from specdecode.calibration_cache import cached_costs
     from specdecode.control import Controller
     from specdecode.engine import BatchEngine
 
-    controller = Controller(kmax=gen.k, costs=calibrated_costs(model, [1], gen.k),
+    controller = Controller(kmax=gen.k, costs=cached_costs(loaded, [1], gen.k),
                             max_step_cost=max_step_cost)
-    engine = BatchEngine(model, 1, gen.capacity, controller=controller)
+    engine = BatchEngine(loaded.model, 1, gen.capacity, controller=controller)
     engine.submit(gen)
 
     def steps() -> Iterator[Any]:

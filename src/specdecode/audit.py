@@ -3,10 +3,13 @@
 Greedy configurations: speculative output must be token-identical to plain decoding, prompt by
 prompt. Sampled configurations: `samples` plain and `samples` speculative generations of the first
 `tokens` tokens (independent seeds) are compared as two categorical samples over whole token
-sequences. Outcomes are grouped into the `cells` most frequent sequences plus "other" (a grouped
+sequences; under the invariant rule (SamplingParams.rule), every plain sample's seed is also run
+speculatively, and must give the same tokens: an exact check beside the statistical one.
+Outcomes are grouped into the `cells` most frequent sequences plus "other" (a grouped
 distribution: its TV distance is a lower bound on the full one). Reported: the estimated total-
 variation distance with a (1 - delta) upper confidence bound, and a two-sample chi-square p-value;
-the verdict fails when p < false_alarm, a rate the user states (default 1e-3).
+the verdict fails when p < false_alarm, a rate the user states (default 1e-3), or when a seed's
+speculative output differs from its plain output.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class AuditResult:
     mismatches: int = 0
     acceptance_rate: float | None = None
     detectable_tv: float | None = None  # TV this sample size catches with power 0.99
+    identical: int | None = None  # rule invariant: seeds whose speculative output is plain's
 
     def render(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
@@ -58,6 +62,9 @@ class AuditResult:
             f"  chi-square homogeneity p = {self.p_value:.3g} (fail below {self.false_alarm:g}); "
             f"detects TV >= {self.detectable_tv:.2f} with power 0.99\n"
             f"  speculative accepted/drafted during the audit: {acc}"
+            + ("" if self.identical is None else
+               f"\n  seeded identity (rule invariant): {self.identical}/{self.samples} seeds "
+               "token-identical to plain decoding")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +118,7 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
     plain: Counter[Outcome] = Counter()
     spec: Counter[Outcome] = Counter()
     drafted = accepted = 0
+    identical: int | None = 0 if params.rule == "invariant" else None
     template = Generation(model, None, prompt, dataclasses.replace(params, max_tokens=tokens))
     template.prefill()  # every sample starts from this prompt's KV (a copy, not a recompute)
     warm = make_drafter()
@@ -118,12 +126,13 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
         warm._sync(prompt)
     for i in range(samples):
         p = dataclasses.replace(params, max_tokens=tokens, seed=seed + 2 * i)
-        plain[tuple(_generate(model, prompt, p, None, 0, eos, template).output)] += 1
+        plain_out = _generate(model, prompt, p, None, 0, eos, template).output
+        plain[tuple(plain_out)] += 1
+        if identical is not None:  # the same seed, speculatively: must give the same tokens
+            same = _speculative(model, prompt, p, make_drafter, warm, k, eos, template)
+            identical += same.output == plain_out
         p = dataclasses.replace(p, seed=seed + 2 * i + 1)
-        drafter = make_drafter()
-        if isinstance(drafter, DraftModelDrafter) and isinstance(warm, DraftModelDrafter):
-            drafter.copy_state_from(warm)
-        gen = _generate(model, prompt, p, drafter, k, eos, template)
+        gen = _speculative(model, prompt, p, make_drafter, warm, k, eos, template)
         spec[tuple(gen.output)] += 1
         drafted += gen.counters.drafted
         accepted += gen.counters.accepted
@@ -133,11 +142,22 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
     test = chi_square_homogeneity(a, b)
     tv = tv_two_sample(a, b, delta=0.05)
     detectable = _detectable_tv(samples, false_alarm, len(a))
+    passed = test.p_value >= false_alarm and identical in (None, samples)
     return AuditResult(
-        "sampled", test.p_value >= false_alarm, samples, tokens, false_alarm, test.p_value,
+        "sampled", passed, samples, tokens, false_alarm, test.p_value,
         tv.estimate, tv.upper_bound, tv.confidence, len(a),
         acceptance_rate=accepted / drafted if drafted else None, detectable_tv=detectable,
+        identical=identical,
     )
+
+
+def _speculative(model: Any, prompt: list[int], params: SamplingParams,
+                 make_drafter: Callable[[], Drafter], warm: Drafter, k: int,
+                 eos: tuple[int, ...], template: Generation) -> Generation:
+    drafter = make_drafter()
+    if isinstance(drafter, DraftModelDrafter) and isinstance(warm, DraftModelDrafter):
+        drafter.copy_state_from(warm)  # its own cache, with the prompt already fed
+    return _generate(model, prompt, params, drafter, k, eos, template)
 
 
 def _detectable_tv(samples: int, false_alarm: float, cells: int) -> float:

@@ -59,7 +59,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: a random one, reported by --json): the same "
+                        "seed gives the same tokens whatever the drafter, k or batch under "
+                        "--rule invariant")
+    p.add_argument("--rule", choices=("invariant", "residual"), default="invariant",
+                   help="how sampled drafts are verified: invariant (default; the output is "
+                        "plain decoding's for the seed) or residual (the standard rejection "
+                        "rule: more drafts accepted from a model drafter, tokens depend on "
+                        "what was drafted). docs/design.md")
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -111,7 +119,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        stop=tuple(args.stop),
+        stop=tuple(args.stop), rule=args.rule,
     )
     params.validate()
     return params

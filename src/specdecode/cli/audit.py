@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -69,6 +70,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)
     check_k(args)
+    if args.inject_fault is not None and params.rule != "residual" and not params.greedy:
+        # the faults corrupt the q a drafter reports, which only the residual rule reads: under
+        # the invariant rule they cannot change the output (the audit would rightly pass)
+        print("# --inject-fault: the faults corrupt q, which only --rule residual reads: "
+              "auditing with --rule residual", file=sys.stderr)
+        params = dataclasses.replace(params, rule="residual")
     if args.samples < 10:
         raise SpecDecodeError(f"--samples must be >= 10, got {args.samples}")
     loaded = load_model(args.model, args.precision, args.backend)
@@ -80,7 +87,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                           if tok.chat_template else t) for t in texts]
     print(f"# audit: {loaded.name} ({loaded.backend}, {loaded.precision}), drafter "
           f"{args.drafter}{' with fault ' + args.inject_fault if args.inject_fault else ''}, "
-          f"k={args.k}, temperature {params.temperature}", file=sys.stderr)
+          f"k={args.k}, temperature {params.temperature}"
+          f"{'' if params.greedy else ', rule ' + params.rule}", file=sys.stderr)
     if params.greedy:
         result = audit_greedy(loaded.model, prompts, params, make, args.k, eos)
     else:

@@ -46,7 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode_prompt(text), params,
                      factory() if factory else None, args.k, eos)
-    steps = auto_steps(loaded.model, gen, args.max_step_cost) if args.auto and factory else \
+    steps = auto_steps(loaded, gen, args.max_step_cost) if args.auto and factory else \
         gen.run()
     start = time.perf_counter()
     first: float | None = None
@@ -63,7 +63,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         record = {
             "text": "".join(pieces), "token_ids": gen.output, "finish_reason": gen.finish_reason,
-            "model": loaded.describe(), "drafter": args.drafter,
+            "seed": gen.seed, "rule": params.rule, "model": loaded.describe(),
+            "drafter": args.drafter,
             "k": "auto" if args.auto else gen.k,
             "timings": {"load_s": loaded.load_seconds, "ttft_s": first, "total_s": total,
                         "tokens_per_s": len(gen.output) / total if total else None},
