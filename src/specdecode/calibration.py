@@ -4,8 +4,9 @@ controller (--k auto) starts from, before every step it runs refines them.
 `forward_costs` times one forward pass scoring 1..kmax new positions per row after a fixed
 context (warmed up, round-robin over the widths, medians); `calibrated_costs` turns that into a
 control.CostModel. This module imports nothing above the controller: the engine, the server,
-the CLI and the benchmarks call it. The `specdecode costs` report over these figures is in
-specdecode.costs.
+the CLI and the benchmarks call it. `generate --k auto` reads it through calibration_cache (once
+per model, precision, backend and machine); the `specdecode costs` report over these figures is
+bench.costs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 import torch
 
 from specdecode.control import CostModel
+
+CONTEXT = 128  # tokens of context the run-time calibration measures after
+REPEATS = 2  # round-robin repeats of each width
 
 
 def quartiles(xs: list[float]) -> tuple[float, float]:
@@ -70,8 +74,8 @@ def forward_costs(model: Any, batch: int, context: int, kmax: int, repeats: int)
     return rows
 
 
-def calibrated_costs(model: object, batches: list[int], kmax: int, context: int = 128,
-                     repeats: int = 2) -> CostModel:
+def calibrated_costs(model: object, batches: list[int], kmax: int, context: int = CONTEXT,
+                     repeats: int = REPEATS) -> CostModel:
     """A CostModel whose t(B, T) table is measured now for T = 1..kmax+1 at each batch size."""
     costs = CostModel()
     for batch in batches:
