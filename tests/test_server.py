@@ -8,6 +8,7 @@ and every address is loopback.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -114,11 +115,38 @@ def test_completions_streamed_equals_plain(tiny_server: tuple[BackgroundServer, 
 
 
 def test_completions_token_ids_seed_and_stop(tiny: LoadedModel) -> None:
-    """Same seed, same text, at a fixed k. (Under --k auto the controller's k depends on
-    measured timings, and sampled speculation consumes randomness per draft token, so a seeded
-    sampled request is reproducible in distribution only.)"""
+    """Same seed, same text, at a fixed k."""
     with serving(tiny, k=3, auto=False) as (srv, _):
         _check_seed_and_stop(client(srv))
+
+
+def test_a_seed_reproduces_a_reply_whatever_the_traffic_and_drafting(tiny: LoadedModel) -> None:
+    """Rule invariant: a seeded sampled request gets plain decoding's reply for its seed, from a
+    server without a drafter, from one drafting at a fixed k, and from one under --k auto, alone
+    or among 8 concurrent unseeded requests; an unseeded reply names the seed that repeats it."""
+    seeded: dict[str, Any] = {"model": "tiny", "prompt": [3, 4, 5, 3, 4, 5, 3], "max_tokens": 16,
+                              "temperature": 0.9, "top_p": 0.95, "seed": 1236,
+                              "logit_bias": NO_EOS}
+    noise = [{**seeded, "prompt": [7 + i, 8, 9 + i], "seed": None} for i in range(8)]
+    with serving(tiny, drafter="none", k=0, auto=False) as (srv, _):
+        reply = client(srv).completions.create(**seeded)
+        expected = reply.choices[0].text
+        assert reply.to_dict()["seed"] == 1236
+    for options in ({"auto": False}, {"auto": True}):
+        with serving(tiny, **options) as (srv, _):
+            c = client(srv)
+            with ThreadPoolExecutor(12) as pool:
+                replies = list(pool.map(functools.partial(_create, c), [seeded] * 4 + noise,
+                                        timeout=120))
+            assert [r.choices[0].text for r in replies[:4]] == [expected] * 4
+            assert c.completions.create(**seeded).choices[0].text == expected
+            drawn = replies[4].to_dict()["seed"]
+            again = c.completions.create(**{**noise[0], "seed": drawn}).choices[0].text
+            assert isinstance(drawn, int) and again == replies[4].choices[0].text
+
+
+def _create(c: openai.OpenAI, args: dict[str, Any]) -> Any:
+    return c.completions.create(**args)
 
 
 def _check_seed_and_stop(c: openai.OpenAI) -> None:

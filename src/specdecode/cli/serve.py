@@ -66,6 +66,10 @@ def register(sub: Any) -> None:
                    help="parse special-token strings (<|im_start|>...) in chat message contents "
                         "as control tokens: only for trusted callers (default: tokenized as "
                         "text, so no user can forge another turn)")
+    p.add_argument("--rule", choices=("invariant", "residual"), default="invariant",
+                   help="how sampled drafts are verified: invariant (default: a request's "
+                        "seed gives the same reply whatever the traffic and drafting) or "
+                        "residual (the standard rejection rule; docs/design.md)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     # a wide step delays every request in the batch, not only the one whose draft widened it:
@@ -86,7 +90,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         max_prompt_bytes=args.max_prompt_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        shutdown_timeout=args.shutdown_timeout,
+        shutdown_timeout=args.shutdown_timeout, rule=args.rule,
     )
     options.check()
     return options

@@ -28,9 +28,9 @@ from starlette.concurrency import run_in_threadpool
 from specdecode.sampling import SamplingParams
 from specdecode.server import prepare, shutdown
 from specdecode.server.connections import ConnectionLimits
-from specdecode.server.errors import APIError, UnexpectedErrorMiddleware, install_handlers
-from specdecode.server.metrics import CONTENT_TYPE
 from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from specdecode.server.openai_errors import APIError, UnexpectedErrorMiddleware, install_handlers
+from specdecode.server.prometheus import CONTENT_TYPE
 from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest
 from specdecode.server.state import LONG_PROMPT_BYTES, ServerState
 from specdecode.server.streaming import EventStream, Shape, Submission, collect, stream_events
@@ -90,7 +90,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Prometheus text exposition (see specdecode.server.metrics for the names)."""
+        """Prometheus text exposition (see specdecode.server.prometheus for the names)."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
@@ -124,7 +124,7 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
         state.release()
         raise
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                  int(time.time()), served.name)
+                  int(time.time()), served.name, None if params.greedy else gen.seed)
     if req.stream:
         with_usage = bool(req.stream_options and req.stream_options.include_usage)
         return EventStream(stream_events(sub, shape, with_usage), sub.close)
@@ -149,4 +149,4 @@ def _prompt_and_params(served: prepare.ServedModel,
         ids = prepare.completion_prompt(req, served)
         limit = prepare.max_tokens(req.max_tokens, len(ids), served.window,
                                    prepare.DEFAULT_COMPLETION_TOKENS, "prompt")
-    return ids, prepare.sampling_params(req, limit, served.vocab_size)
+    return ids, prepare.sampling_params(req, limit, served.vocab_size, served.rule)

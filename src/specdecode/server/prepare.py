@@ -23,7 +23,7 @@ from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
-from specdecode.server.errors import APIError
+from specdecode.server.openai_errors import APIError
 from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from specdecode.server.tokens import PromptEncoder
 
@@ -48,6 +48,7 @@ class ServedModel:
     created: int  # unix time the server started
     prompts: PromptEncoder  # tokenizes prompts (message contents as text)
     max_prompt_bytes: int  # longer prompt text is refused before tokenizing
+    rule: str = "invariant"  # how sampled drafts are verified (SamplingParams.rule)
 
     @property
     def vocab_size(self) -> int:
@@ -190,7 +191,8 @@ def max_tokens(requested: int | None, prompt_len: int, window: int, default: int
     return requested
 
 
-def sampling_params(req: SamplingRequest, limit: int, vocab_size: int) -> SamplingParams:
+def sampling_params(req: SamplingRequest, limit: int, vocab_size: int,
+                    rule: str = "invariant") -> SamplingParams:
     """SamplingParams of a request (OpenAI defaults: temperature 1, top_p 1; a temperature
     below MIN_TEMPERATURE is greedy)."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -203,7 +205,7 @@ def sampling_params(req: SamplingRequest, limit: int, vocab_size: int) -> Sampli
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
         logit_bias=_logit_bias(req.logit_bias, vocab_size), seed=req.seed, max_tokens=limit,
-        stop=stop,
+        stop=stop, rule=rule,
     )
     try:
         params.validate(vocab_size)

@@ -23,9 +23,9 @@ from specdecode.errors import SpecDecodeError
 from specdecode.memory import drafter_module, weight_bytes
 from specdecode.models.loading import LoadedModel
 from specdecode.server.connections import HEADER_TIMEOUT_S
-from specdecode.server.errors import APIError
-from specdecode.server.metrics import ServerMetrics
+from specdecode.server.openai_errors import APIError
 from specdecode.server.prepare import ServedModel
+from specdecode.server.prometheus import ServerMetrics
 from specdecode.server.tokens import PromptEncoder
 from specdecode.server.worker import EngineWorker
 
@@ -67,6 +67,7 @@ class ServeOptions:
     # prompt text over this many UTF-8 bytes is refused before tokenizing (None: the window x
     # the vocabulary's longest token, a size no prompt that fits can exceed)
     max_prompt_bytes: int | None = None
+    rule: str = "invariant"  # how sampled drafts are verified (SamplingParams.rule)
     header_timeout: float = HEADER_TIMEOUT_S  # seconds for a request's complete headers
     body_timeout: float = BODY_TIMEOUT_S  # seconds for its complete body (then 408)
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # on SIGTERM: for in-flight requests to end
@@ -151,6 +152,7 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
         make_drafter=factory, k=k, window=window, created=int(time.time()),
         prompts=prompts,
         max_prompt_bytes=options.max_prompt_bytes or window * prompts.longest_token_bytes,
+        rule=options.rule,
     )
     metrics = ServerMetrics(name)
     metrics.set_backend(loaded.backend, loaded.backend_version(), loaded.exactness())

@@ -24,8 +24,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from specdecode.engine import Generation, StepOutput
-from specdecode.server.errors import APIError
-from specdecode.server.metrics import ServerMetrics
+from specdecode.server.openai_errors import APIError
+from specdecode.server.prometheus import ServerMetrics
 from specdecode.server.worker import EngineFailure, EngineWorker, Event
 
 POLL_S = 0.25  # how often a waiting request checks for a gone client or a dead engine
@@ -127,11 +127,15 @@ class Shape:
     rid: str
     created: int
     model: str
+    # a sampled request's seed (given, or drawn): sent back (an extension field) so that any
+    # reply can be reproduced by sending it, whatever the traffic and drafting (rule invariant)
+    seed: int | None = None
 
     def _envelope(self, stream: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + \
             (".chunk" if stream and self.chat else "")
-        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
+        body = {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
+        return body | ({} if self.seed is None else {"seed": self.seed})
 
     def _choice(self, text: str, finish: str | None, stream: bool,
                 role: bool = False) -> dict[str, Any]:
