@@ -146,8 +146,9 @@ def test_tiny_end_to_end_through_the_harness(tiny: LoadedModel, tmp_path: Path) 
     first, second = by[("plain", "conv", 0)], by[("plain", "conv", 1)]
     assert second.prompt_tokens == first.prompt_tokens + first.output_tokens + 2
     audits = {a.config: a for a in outcome.analysis.audits}
-    assert audits["int8-k2"].passed and audits["int8-k2"].n_compared == 3
-    assert audits["ngram-k3"].passed and audits["ngram-k3"].method == "greedy-token-identity"
+    # 3 greedy requests and the seeded sampled one ("hot", rule invariant): plain's tokens
+    assert audits["int8-k2"].passed and audits["int8-k2"].n_compared == 4
+    assert audits["ngram-k3"].passed and audits["ngram-k3"].method == "seeded-token-identity"
     memory = {m.config: m for m in results.memory}
     # the int8 copy drafts in the target's cache (its draft positions are the target's room
     # for verification): weights of its own, no KV
@@ -219,7 +220,7 @@ def test_batch_of_two_runs_on_the_batch_engine(tiny: LoadedModel, tmp_path: Path
     assert groups[("hot", "ngram-auto")] == 1
     audits = {a.config: a for a in outcome.analysis.audits}
     assert audits["int8-k2"].passed and audits["ngram-auto"].passed
-    assert audits["int8-k2"].n_compared == 3  # rep, conv turn 0 and turn 1 (greedy)
+    assert audits["int8-k2"].n_compared == 4  # rep, conv turns 0, 1 (greedy), hot (seeded)
     memory = {m.config: m for m in outcome.analysis.results.memory}
     assert memory["plain"].target_kv == tiny.model.new_cache(2, 1).nbytes() * (
         memory["plain"].target_kv // tiny.model.new_cache(2, 1).nbytes())  # one 2-row cache

@@ -52,12 +52,12 @@ from specdecode.bench.records import (
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt
 from specdecode.control import Controller
+from specdecode.counters import Counters
 from specdecode.drafters.hybrid import model_part
 from specdecode.drafters.registry import DrafterFactory, drafter_factory
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
 from specdecode.memory import drafter_module, peak_rss_bytes, weight_bytes
-from specdecode.metrics import Counters
 from specdecode.models.loading import LoadedModel, file_digest
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
@@ -193,6 +193,8 @@ def to_sample(config: ConfigSpec, request: TurnRequest, done: Finished) -> Reque
         output_token_ids=list(done.tokens), text="".join(trace.text),
         temperature=request.params.temperature, prefill_s=c.prefill_ns / 1e9,
         alpha_micro=c.alpha_micro, alpha_positions=c.alpha_positions,
+        seed=request.params.seed,
+        rule="" if request.params.greedy else request.params.rule,
     )
 
 

@@ -32,7 +32,7 @@ a step):
   measured before the failure; `store.Results` files it under `failures`, out of every statistic.
 - `alpha_micro`, `alpha_positions`: the engine's direct measure of alpha, sum over verified draft
   positions of sum_x min(p(x), q(x)) in millionths, and the number of those positions (as in
-  `specdecode.metrics.Counters`); 0 / 0 when the runner does not measure it.
+  `specdecode.counters.Counters`); 0 / 0 when the runner does not measure it.
 
 Machine load: `load` is the harness's reading of the CPU counters around the batch the request
 ran in (`bench.interference.LoadReading` as a dict: wall_s, other_cores, steal_cores,
@@ -152,6 +152,10 @@ class RequestSample:
     alpha_positions: int = 0
     error: str = ""  # why the request failed ("" when it succeeded; see `failed`)
     load: dict[str, float] = field(default_factory=dict)  # the machine's load (see above)
+    # a sampled request's seed and verification rule (SamplingParams.rule; "" when greedy or
+    # unknown, e.g. a remote server): under "invariant" the same seed gives the same tokens
+    seed: int | None = None
+    rule: str = ""
 
     @property
     def failed(self) -> bool:
@@ -323,8 +327,10 @@ class AuditVerdict:
     """A losslessness verdict for one configuration.
 
     `method` names the check ("greedy-token-identity": token ids equal plain decoding's at
-    temperature 0; or a distribution test). `n_compared` counts what was compared (requests or
-    samples), `n_failed` how many failed; `p_value` is set by statistical tests.
+    temperature 0; "seeded-token-identity": also seeded sampled requests under the invariant
+    rule, which must equal plain decoding's with the same seed; or a distribution test).
+    `n_compared` counts what was compared (requests or samples), `n_failed` how many failed;
+    `p_value` is set by statistical tests.
     """
 
     config: str
