@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
+from specdecode.bench.hardware import machine_summary
 from specdecode.bench.inprocess import kv_bytes
 from specdecode.calibration import calibrated_costs
 from specdecode.control import Controller
-from specdecode.costs import hardware
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation
@@ -210,7 +210,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model()
-    hw = hardware()
+    hw = machine_summary()
     batches = [int(b) for b in args.batches.split(",")]
     print(f"# SmolLM2-135M-Instruct fp32, {args.drafter} drafter, {args.max_tokens} new tokens, "
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "

@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from drafters import SPECBENCH, run_one
 
+from specdecode.bench.hardware import machine_summary
 from specdecode.bench.workloads import load_workload
 from specdecode.calibration import forward_costs
 from specdecode.control import expected_accepted
-from specdecode.costs import hardware
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.ngram import NgramDrafter, NgramIndex
 from specdecode.drafters.registry import drafter_factory
@@ -279,7 +279,7 @@ def main() -> None:
     assert hybrid_engine is not None
     prompts = load_workload(args.specbench, categories=args.categories.split(","),
                             limit_per_category=args.per_category).prompts
-    hw = hardware()
+    hw = machine_summary()
     print(f"# SmolLM2-135M-Instruct fp32 target, w4a16 copy, batch 1, greedy, {args.max_tokens} "
           f"new tokens; {hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), "
           f"load average {hw.get('load_avg_1m')}; {len(prompts)} prompts of {args.categories}")

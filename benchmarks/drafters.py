@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from specdecode.bench.stats import self_repeat
+from specdecode.bench.analysis import self_repeat
+from specdecode.bench.hardware import machine_summary
 from specdecode.bench.workloads import Prompt, load_default_workload, load_workload
 from specdecode.calibration import calibrated_costs
 from specdecode.control import Controller, CostModel
-from specdecode.costs import hardware
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation
 from specdecode.errors import SpecDecodeError
@@ -136,7 +136,7 @@ def main() -> None:
     kmax = max((k for _, k, auto in factories.values() if auto), default=0)
     costs = calibrated_costs(loaded.model, [1], kmax, context=256) if kmax else None
     groups = prompts_by_category(args)
-    hw = hardware()
+    hw = machine_summary()
     print(f"# SmolLM2-135M-Instruct {args.precision} target, batch 1, {args.max_tokens} new "
           "tokens, "
           f"{hw['cpu']} ({hw['cores']} cores, {torch.get_num_threads()} threads), load average "

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from specdecode.bench.hardware import machine_summary
 from specdecode.calibration import forward_costs
-from specdecode.costs import hardware
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation
 from specdecode.models.loading import load_model, resolve_folder
@@ -90,7 +90,7 @@ def main() -> None:
     tok = loaded.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
                for p in PROMPTS]
-    hw = hardware()
+    hw = machine_summary()
     print(f"# SmolLM2-135M-Instruct fp32 target, int8 copy as draft, k={args.k}, batch 1, "
           f"{args.max_tokens} new tokens, {hw['cpu']} ({hw['cores']} cores, "
           f"{torch.get_num_threads()} threads), torch {hw['torch']}")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
+from specdecode.bench.analysis import analyze
 from specdecode.bench.harness import make_header
 from specdecode.bench.recommend import recommend
 from specdecode.bench.records import ConfigSpec, CostCurve
 from specdecode.bench.report_html import fmt_bytes, render_html
-from specdecode.bench.stats import analyze
 from specdecode.bench.store import Results
 from specdecode.bench.summary import render_summary
 from specdecode.bench.svg import nice_ticks

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from specdecode.audit_stats import tv_distance
 from specdecode.drafters.base import Draft, DraftRequest
 from specdecode.drafters.distilled import (
     DEFAULT_DIR,
@@ -31,7 +32,6 @@ from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
-from specdecode.stats import tv_distance
 from specdecode.train.checkpoint import weights_sha256, write_model_card
 from tests.test_drafters_layerskip import first_token_distribution
 from tests.test_drafters_ngram import (

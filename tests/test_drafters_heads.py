@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode.audit_stats import tv_distance
 from specdecode.drafters.base import Draft, DraftRequest
 from specdecode.drafters.heads import FeatureDrafterModel, HeadsDrafter, load_heads
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probs_from_logits
-from specdecode.stats import tv_distance
 from specdecode.train.checkpoint import weights_sha256
 from specdecode.train.heads import target_features, write_heads
 from tests.test_drafters_layerskip import first_token_distribution

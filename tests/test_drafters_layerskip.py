@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode.audit_stats import tv_distance
 from specdecode.drafters import layerskip
 from specdecode.drafters.base import Draft, DraftRequest, Rounds
 from specdecode.drafters.layerskip import (
@@ -24,7 +25,6 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams, probs_from_logits
-from specdecode.stats import tv_distance
 from tests.test_drafters_ngram import (
     DESIGN_TV,
     FALSE_ALARM,

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode.audit_stats import chi_square_gof, required_samples
 from specdecode.control import Controller, CostModel, best_width
 from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.ngram import GREEDY_PRIOR, MatchStats, NgramDrafter, RegimeStats
@@ -30,7 +31,6 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import LoadedModel, load_native
 from specdecode.sampling import SamplingParams
-from specdecode.stats import chi_square_gof, required_samples
 from tests.conftest import make_checkpoint
 
 V = 96  # the tiny checkpoint's vocabulary

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import specdecode.engine as engine
+from specdecode.audit_stats import chi_square_gof, required_samples
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.faults import FAULTS, FaultyDrafter
 from specdecode.engine import Generation
 from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
-from specdecode.stats import chi_square_gof, required_samples
 from specdecode.verify import VerifyResult
 from tests.conftest import make_checkpoint
 

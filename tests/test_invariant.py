@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import specdecode.engine as engine
+from specdecode.audit_stats import chi_square_gof
 from specdecode.control import Controller
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -34,7 +35,6 @@ from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
 from specdecode.sampling import PositionNoise, SamplingParams, gumbel_argmax
-from specdecode.stats import chi_square_gof
 from specdecode.verify import verify_invariant
 from tests.conftest import make_checkpoint
 from tests.test_engine_sampled import (

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 
+from specdecode.audit_stats import required_samples
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probs_from_logits
-from specdecode.stats import required_samples
 from tests.conftest import make_checkpoint
 from tests.test_engine_sampled import CELLS, FALSE_ALARM, gof_p_value
 
@@ -251,7 +251,7 @@ def test_missing_binding_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_metrics_and_the_run_header_name_the_backend_and_its_exactness(tiny: Any) -> None:
     from specdecode.models.loading import LoadedModel
-    from specdecode.server.metrics import ServerMetrics
+    from specdecode.server.prometheus import ServerMetrics
 
     loaded = LoadedModel(tiny[0], None, "tiny", Path("t.gguf"), "gguf", 0.0)  # type: ignore[arg-type]
     assert loaded.exactness() is not None and loaded.exactness().startswith("batch-invariant")

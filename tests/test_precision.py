@@ -215,8 +215,9 @@ def test_cost_curves_run_at_every_precision(
     tiny: torch.nn.Module, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`specdecode costs` machinery (timings are not checked: a benchmark, not a test)."""
+    from specdecode.bench.costs import print_costs
+    from specdecode.bench.hardware import machine_summary
     from specdecode.calibration import forward_costs
-    from specdecode.costs import hardware, print_costs
 
     curves = [forward_costs(apply_precision(tiny, p), 2, 16, 3, 3) for p in precision.PRECISIONS]
     for rows in curves:
@@ -225,7 +226,7 @@ def test_cost_curves_run_at_every_precision(
     peer = {"native_s_per_token": 0.04, "transformers_s_per_token": 0.05,
             "ratio_native_over_transformers": 0.8, "new_tokens": 32}
     print_costs({"model": {"name": "tiny", "backend": "native", "precision": "fp32"},
-                 "hardware": hardware(), "context": 16, "curves": curves[:1], "peer": peer})
+                 "hardware": machine_summary(), "context": 16, "curves": curves[:1], "peer": peer})
     out = capsys.readouterr().out
     assert "v(k)" in out and "ratio native/transformers 0.80" in out
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from specdecode.audit_stats import chi_square_gof, required_samples, tv_distance
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
-from specdecode.stats import chi_square_gof, required_samples, tv_distance
 from specdecode.verify import (
     VerifyResult,
     acceptance_probability,

@@ -25,9 +25,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal, TextIO
 
+from specdecode.counters import Counters
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import K_RANGE
-from specdecode.metrics import Counters
 
 DEFAULT_KMAX = 8  # the largest draft length under k="auto", as `--kmax`'s default
 

@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode.audit_stats import chi_square_homogeneity, required_samples, tv_two_sample
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
-from specdecode.stats import chi_square_homogeneity, required_samples, tv_two_sample
 
 Outcome = tuple[int, ...]
 

@@ -60,7 +60,7 @@ SEEDED_COUNT = 8.0
 def expected_tokens(alpha: float, k: float) -> float:
     """E(k): expected tokens emitted by one step drafting k tokens at per-token acceptance
     alpha, (1 - alpha^(k+1)) / (1 - alpha); k + 1 at alpha = 1. The one definition: the
-    controller's choices and the report's predicted speedup (bench.stats) both use it."""
+    controller's choices and the report's predicted speedup (bench.analysis) both use it."""
     if k == 0:
         return 1.0
     if alpha >= 1.0:

@@ -38,10 +38,10 @@ from typing import Any
 import torch
 
 from specdecode.control import AlphaEstimate, Controller, CostModel, StepObservation, best_width
+from specdecode.counters import Counters
 from specdecode.drafters.base import Draft, Drafter, DraftRequest, Rounds, ids_tensor
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_K
-from specdecode.metrics import Counters
 from specdecode.models.cache import copies_rows, holds_tensors
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
 from specdecode.sampling import (

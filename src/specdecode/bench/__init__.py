@@ -9,7 +9,7 @@ Modules, in the order data flows through them:
 - `records`: the versioned result schema (one `RequestSample` per request per configuration).
 - `store`: the append-only JSONL file results are written to as they are measured, and resume.
 - `harness`: the loop interleaving configurations over the same prompts.
-- `stats`: percentiles, bootstrap confidence intervals and per-configuration aggregates.
+- `analysis`: percentiles, bootstrap confidence intervals and per-configuration aggregates.
 - `recommend`: whether to enable speculation, with which drafter and k, up to which batch size.
 - `report_html`, `summary`, `svg`: the self-contained HTML report and the terminal summary.
 - `hardware`: the machine description every report states.

@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from specdecode.bench.recommend import Recommendation, recommend
-from specdecode.bench.records import RequestSample
-from specdecode.bench.stats import (
+from specdecode.bench.analysis import (
     DEFAULT_RESAMPLES,
     Interval,
     analyze,
@@ -37,6 +35,8 @@ from specdecode.bench.stats import (
     pooled_percentile_replicates,
     ratio_of_sums,
 )
+from specdecode.bench.recommend import Recommendation, recommend
+from specdecode.bench.records import RequestSample
 from specdecode.bench.store import Results, load_report, results_from_report
 
 ReportLike = Results | dict[str, Any] | str | Path

@@ -1,4 +1,5 @@
-"""Describe the machine measurements ran on (stated on every report)."""
+"""Describe the machine measurements ran on (stated on every report): the one description the
+bench reports, `specdecode costs`, the benchmarks/ scripts and the calibration cache's key use."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 from specdecode.bench.records import HardwareInfo
 
@@ -57,3 +59,20 @@ def describe_hardware(hw: HardwareInfo) -> str:
     threads = f", {hw.torch_threads} torch threads" if hw.torch_threads is not None else ""
     accel = f", {hw.accelerator}" if hw.accelerator else ", no accelerator"
     return f"{hw.cpu_model} ({hw.cpu_cores} cores{threads}){accel}"
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, where the platform has one."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def machine_summary() -> dict[str, Any]:
+    """The machine as the JSON of `specdecode costs` and the benchmarks/ scripts states it: CPU
+    model, usable cores, torch threads and version (importing torch), the load average now."""
+    import torch
+
+    return {"cpu": cpu_model(), "cores": usable_cores(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "load_avg_1m": load_average()}

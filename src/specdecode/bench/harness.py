@@ -29,6 +29,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from specdecode.bench.analysis import DEFAULT_RESAMPLES, Analysis, analyze, find_baseline
 from specdecode.bench.hardware import detect_hardware
 from specdecode.bench.interference import Probe, assess, between, read_cpu_times
 from specdecode.bench.recommend import Recommendation, recommend
@@ -42,7 +43,6 @@ from specdecode.bench.records import (
 )
 from specdecode.bench.report_html import write_html
 from specdecode.bench.runner import Runner, RunnerDescription
-from specdecode.bench.stats import DEFAULT_RESAMPLES, Analysis, analyze, find_baseline
 from specdecode.bench.store import (
     REPORT_HTML,
     REPORT_JSON,

@@ -314,7 +314,7 @@ def text_ids(text: str, n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class TurnRequest:
+class HttpTurn:
     """One turn of one prompt, as sent."""
 
     prompt: Prompt
@@ -322,7 +322,7 @@ class TurnRequest:
     body: dict[str, Any]
 
 
-def make_sample(config: ConfigSpec, request: TurnRequest, stream: Stream) -> RequestSample:
+def make_sample(config: ConfigSpec, request: HttpTurn, stream: Stream) -> RequestSample:
     """The sample of one streamed request (counters 0: see `with_counters`)."""
     ttft, itl, tokens = timings(stream)
     text = "".join(t for _, t in stream.events)
@@ -569,7 +569,7 @@ class HttpRunner:
             return None
         return read_counters(response.text, self.info[endpoint.name].model)
 
-    def _batch(self, endpoint: Endpoint, requests: Sequence[TurnRequest]) -> list[Stream]:
+    def _batch(self, endpoint: Endpoint, requests: Sequence[HttpTurn]) -> list[Stream]:
         async def run_all() -> list[Stream]:
             return list(await asyncio.gather(*(
                 stream_request(self._client, self.url(endpoint), r.body, self.chat)
@@ -591,7 +591,7 @@ class HttpRunner:
             active = [p for p in prompts if turn < len(p.turns)]
             samples += [not_run(config, p, turn, f"not run: turn {turn - 1} failed "
                                 f"({failed[p.id]})") for p in active if p.id in failed]
-            requests = [TurnRequest(p, turn, self.body(
+            requests = [HttpTurn(p, turn, self.body(
                 endpoint.name, p, turn, replies[p.id], effective_temperature(p, config)))
                 for p in active if p.id not in failed]
             if not requests:
@@ -605,7 +605,7 @@ class HttpRunner:
         return samples
 
     def _measure(self, config: ConfigSpec, endpoint: Endpoint,
-                 requests: Sequence[TurnRequest]) -> list[RequestSample]:
+                 requests: Sequence[HttpTurn]) -> list[RequestSample]:
         """One batch: counters before, the concurrent streams, counters after."""
         before = self._counters(endpoint)
         streams = self._batch(endpoint, requests)

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specdecode.counters import Counters
 from specdecode.errors import SpecDecodeError
-from specdecode.metrics import Counters
 
 PEERS = ("llamacpp-generate", "llamacpp-lookup")
 

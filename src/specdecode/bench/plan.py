@@ -336,8 +336,8 @@ def make_http_runner(args: argparse.Namespace, plan: BenchPlan,
 
 def execute(runner: Any, plan: BenchPlan, out: TextIO) -> Any:
     """run_bench with the plan's options; returns its BenchOutcome."""
+    from specdecode.bench.analysis import DEFAULT_RESAMPLES
     from specdecode.bench.harness import BenchOptions, run_bench
-    from specdecode.bench.stats import DEFAULT_RESAMPLES
 
     options = BenchOptions(plan.out_dir, resume=plan.resume, seed=plan.seed,
                            n_resamples=plan.n_resamples or DEFAULT_RESAMPLES,

@@ -1,7 +1,7 @@
 """The recommendation: enable speculation or not, with which drafter and k, up to which batch size.
 
 Rule: a configuration is "on" at a batch size only where the lower bound of its measured
-speedup's confidence interval (total ratio, see `stats`) is above 1 AND its losslessness audit
+speedup's confidence interval (total ratio, see `analysis`) is above 1 AND its losslessness audit
 passed (a configuration without any verdict is not recommended). Among configurations that are
 on at their smallest measured batch size, the one with the highest measured speedup there wins;
 it stays on up to the last batch size before the first one where it is not on. Configurations
@@ -23,9 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from specdecode.bench import interference
-from specdecode.bench.peers import is_peer
-from specdecode.bench.records import ConfigSpec, RequestSample
-from specdecode.bench.stats import (
+from specdecode.bench.analysis import (
     Analysis,
     ConfigSummary,
     find_baseline,
@@ -33,6 +31,8 @@ from specdecode.bench.stats import (
     loops,
     measure_speedup,
 )
+from specdecode.bench.peers import is_peer
+from specdecode.bench.records import ConfigSpec, RequestSample
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DRAFT_MODEL_NAMES = ("draft-model", "draft_model", "draft")

@@ -15,9 +15,9 @@ import jinja2
 from markupsafe import Markup
 
 from specdecode.bench import interference, svg
+from specdecode.bench.analysis import Analysis, ConfigSummary, Interval, ecdf, histogram
 from specdecode.bench.hardware import describe_hardware
 from specdecode.bench.recommend import Recommendation
-from specdecode.bench.stats import Analysis, ConfigSummary, Interval, ecdf, histogram
 from specdecode.bench.store import atomic_write_text
 from specdecode.bench.workloads import prompts_from_description
 

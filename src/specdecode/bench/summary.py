@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 
 from specdecode.bench import interference
+from specdecode.bench.analysis import Analysis, ConfigSummary
 from specdecode.bench.hardware import describe_hardware
 from specdecode.bench.recommend import Recommendation
-from specdecode.bench.stats import Analysis, ConfigSummary
 
 
 def _f(x: float, digits: int = 2, scale: float = 1.0) -> str:

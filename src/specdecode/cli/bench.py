@@ -107,7 +107,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def endpoint_lines(outcome: Any) -> list[str]:
     """Per endpoint and concurrency: acceptance read from /metrics (or unknown), and failures."""
-    from specdecode.bench.stats import acceptance
+    from specdecode.bench.analysis import acceptance
 
     results = outcome.analysis.results
     lines = ["acceptance read from the endpoints' /metrics (per batch; other clients' traffic "

@@ -23,7 +23,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_costs(args: argparse.Namespace) -> int:
-    from specdecode.costs import print_costs, run_costs
+    from specdecode.bench.costs import print_costs, run_costs
 
     batches = [int(b) for b in args.batches.split(",")]
     result = run_costs(args.model, args.precision, args.backend, args.context, args.kmax,

@@ -14,7 +14,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdecode.server.errors import APIError, Observer, ignore_error
+from specdecode.server.openai_errors import APIError, Observer, ignore_error
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes; every other path needs the key
 

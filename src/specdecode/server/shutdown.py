@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from specdecode.server.errors import APIError
+from specdecode.server.openai_errors import APIError
 from specdecode.server.state import SHUTDOWN_TIMEOUT_S, ServerState
 from specdecode.server.streaming import RETRY_AFTER_S
 from specdecode.server.worker import EngineFailure

@@ -22,7 +22,7 @@ from typing import Literal
 
 from specdecode.engine import BatchEngine, Generation, StepOutput
 from specdecode.errors import SpecDecodeError
-from specdecode.server.metrics import ServerMetrics
+from specdecode.server.prometheus import ServerMetrics
 
 log = logging.getLogger("specdecode.server")
 

@@ -13,35 +13,15 @@ by their median time per decode step, each step timed on its own.
 from __future__ import annotations
 
 import itertools
-import os
-import platform
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from specdecode.bench.hardware import load_average, machine_summary
 from specdecode.calibration import forward_costs, quartiles
 from specdecode.models.loading import load_model
-
-
-def hardware() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "load_avg_1m": _load()}
-
-
-def _load() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def _prompt(tokenizer: Any, context: int) -> list[int]:
@@ -121,14 +101,14 @@ def run_costs(model_spec: str | None, precision: str, backend: str, context: int
               batches: list[int], repeats: int, compare_transformers: bool = True
               ) -> dict[str, Any]:
     loaded = load_model(model_spec, precision, backend, max_batch=max(batches))
-    result: dict[str, Any] = {"model": loaded.describe(), "hardware": hardware(),
+    result: dict[str, Any] = {"model": loaded.describe(), "hardware": machine_summary(),
                               "context": context, "repeats": repeats}
     result["curves"] = [forward_costs(loaded.model, b, context, kmax, repeats) for b in batches]
     # the native runner against transformers on the same weights (llama.cpp's peers, its own
     # Python loops, are measured by `bench --backend llama.cpp`)
     if compare_transformers and precision == "fp32" and loaded.backend == "native":
         result["peer"] = peer_comparison(loaded, 32, max(3, repeats // 2), context)
-    result["load_avg_1m_end"] = _load()
+    result["load_avg_1m_end"] = load_average()
     return result
 
 

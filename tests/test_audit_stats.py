@@ -9,7 +9,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from specdecode.stats import (
+from specdecode.audit_stats import (
     chi2_isf,
     chi2_sf,
     chi_square_gof,
