@@ -9,12 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_run import run_cli as in_process
 from tests.conftest import make_checkpoint
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_process(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python -m specdecode.cli *args` in a new process."""
     return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI's main in this process (what a process would print and return, without paying
+    the interpreter's and torch's start each time: see test_the_command_runs_as_a_process)."""
+    code, out, err = in_process(list(args))
+    return subprocess.CompletedProcess(["specdecode", *args], code, out, err)
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -29,12 +38,12 @@ def assert_clean_error(proc: subprocess.CompletedProcess[str], *needles: str) ->
 
 @pytest.mark.slow  # the real SmolLM2
 def test_generate_streams_text_and_json_has_counters() -> None:
-    proc = run_cli("generate", "Once upon a time, in a small village by the sea,",
-                   "--max-tokens", "8")
+    proc = run_process("generate", "Once upon a time, in a small village by the sea,",
+                       "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(" there was a wise old wizard named")
-    proc = run_cli("generate", "Name a fruit.", "--chat", "--max-tokens", "6", "--json",
-                   "--drafter", "int8", "--k", "3")
+    proc = run_process("generate", "Name a fruit.", "--chat", "--max-tokens", "6", "--json",
+                       "--drafter", "int8", "--k", "3")
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout)
     assert record["model"]["backend"] == "native" and record["drafter"] == "int8"
@@ -69,6 +78,12 @@ def test_invalid_options(tiny: Path, args: list[str], needles: list[str]) -> Non
 def test_missing_checkpoint(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     assert_clean_error(run_cli("generate", "hi", "--model", str(missing)), str(missing))
+
+
+def test_the_command_runs_as_a_process(tmp_path: Path) -> None:
+    """`python -m specdecode.cli` as a process: the same one error line and exit status 2."""
+    missing = tmp_path / "nowhere"
+    assert_clean_error(run_process("generate", "hi", "--model", str(missing)), str(missing))
 
 
 def test_corrupt_checkpoint(tmp_path: Path) -> None:
