@@ -1,8 +1,10 @@
 """Shared fixtures: the real SmolLM2 model (loaded once) and small random checkpoints.
 
 Every test that uses the `smollm` fixture (directly or through another fixture) is marked
-`slow` here; tests that load SmolLM2 otherwise carry `pytest.mark.slow` themselves. The fast
-tier, `pytest -m "not slow"`, runs on tiny random checkpoints only.
+`slow` here; tests that load SmolLM2 otherwise, or spawn a server process (`specdecode serve`,
+llama-cpp-python's server), carry `pytest.mark.slow` themselves. The fast tier,
+`pytest -m "not slow"`, runs on tiny random checkpoints only, the CLI in process
+(tests/cli_run.py).
 """
 
 from __future__ import annotations

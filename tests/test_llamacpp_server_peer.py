@@ -29,7 +29,7 @@ if os.environ.get("SPECDECODE_REQUIRE_LLAMACPP") != "1":
     pytest.importorskip("pydantic_settings")
     pytest.importorskip("sse_starlette")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # spawns llama-cpp-python's server
 
 
 def _free_port() -> int:

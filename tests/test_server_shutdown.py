@@ -101,6 +101,7 @@ def _whole(url: str, out: list[Any]) -> None:
         out.append(("client error", type(exc).__name__))
 
 
+@pytest.mark.slow  # a `specdecode serve` process, signalled
 def test_sigterm_drains_then_ends_the_rest_explicitly(
         server: tuple[subprocess.Popen[str], str]) -> None:
     proc, url = server
