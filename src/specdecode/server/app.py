@@ -5,10 +5,10 @@ fields -> prompt size in bytes (a prompt that cannot fit is refused before any t
 admission (429 when running + queued + still-tokenizing requests are at the limit) -> prompt
 tokenized and sampling parameters checked (in a worker thread, the tokenizer releasing the GIL:
 a long prompt never stalls the event loop; long prompts one at a time on a thread of their
-own) -> submitted to the engine thread -> streamed as SSE
-or collected into one JSON body. Every refusal before submission is a 4xx with an OpenAI error
-body; once submitted, the request's `Submission.close()` runs however it ends, cancelling an
-unfinished generation at once.
+own, the allocator's freed memory given back after each: see `allocator`) -> submitted to the
+engine thread -> streamed as SSE or collected into one JSON body. Every refusal before
+submission is a 4xx with an OpenAI error body; once submitted, the request's
+`Submission.close()` runs however it ends, cancelling an unfinished generation at once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from specdecode.sampling import SamplingParams
-from specdecode.server import prepare, shutdown
+from specdecode.server import allocator, prepare, shutdown
 from specdecode.server.connections import ConnectionLimits
 from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from specdecode.server.openai_errors import APIError, UnexpectedErrorMiddleware, install_handlers
@@ -113,7 +113,8 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
     try:
         if size > LONG_PROMPT_BYTES:  # one at a time, behind no short prompt (see state)
             prompt_ids, params = await asyncio.get_running_loop().run_in_executor(
-                state.long_prompts, functools.partial(_prompt_and_params, served, req))
+                state.long_prompts, allocator.trimming(
+                    functools.partial(_prompt_and_params, served, req)))
         else:
             prompt_ids, params = await run_in_threadpool(_prompt_and_params, served, req)
         gen = prepare.new_generation(served, prompt_ids, params)
