@@ -276,7 +276,8 @@ def warning(report: LoadReport) -> str | None:
     return ("measured under interference: " + "; ".join(describe(c, report.cores)
                                                           for c in flagged)
             + ". Other work on the machine slows speculation's wide steps more than plain "
-            "decoding's, so these speedups are biased low: re-measure the flagged requests "
+            "decoding's one-token steps, so a speedup measured under it reads low (and high "
+            "when only its plain baseline was disturbed): re-measure the flagged requests "
             "(--resume) on a quiet machine before deciding")
 
 

@@ -6,7 +6,7 @@ passed (a configuration without any verdict is not recommended). Among configura
 on at their smallest measured batch size, the one with the highest measured speedup there wins;
 it stays on up to the last batch size before the first one where it is not on. Configurations
 measured under interference (other work on the machine, see `interference`) keep their verdict
-but the recommendation carries a warning naming them: such speedups are biased low.
+but the recommendation carries a warning naming them: their speedups are not reliable.
 
 The equivalent vLLM setting is given as a `--speculative-config` JSON string. Key names follow
 vLLM's documentation of `SpeculativeConfig` ("method", "model", "num_speculative_tokens",

@@ -54,7 +54,8 @@ def load_lines(report: interference.LoadReport, out_dir: Path | None) -> list[st
     flagged = report.flagged
     if not flagged:
         return [line + "; no configuration was measured under interference"]
-    lines = [line + ".", "MEASURED UNDER INTERFERENCE (speculation's speedups are biased low):"]
+    lines = [line + ".", "MEASURED UNDER INTERFERENCE (speedups involving these are not "
+             "reliable):"]
     lines += [f"  {interference.describe(c, report.cores)}" for c in flagged]
     lines.append(interference.rerun_advice(out_dir))
     return lines
