@@ -70,6 +70,32 @@ def test_seeded_sampling_is_reproducible(smollm: LoadedModel) -> None:
     assert first != _generate(smollm, "My favourite colour is", other)
 
 
+def test_seeded_sampling_with_a_model_drafter_is_plain_sampling(smollm: LoadedModel) -> None:
+    """Rule invariant: the 4-bit copy of the target draws its drafts with the target's noise;
+    with a seed, the output is plain sampled output (built-in prompts, 64 tokens) and most
+    drafts are accepted."""
+    from specdecode.bench.workloads import load_default_workload
+    from specdecode.drafters.registry import drafter_factory
+
+    make = drafter_factory("w4a16", smollm.model)
+    assert make is not None
+    tok = smollm.tokenizer
+    drafted = accepted = 0
+    for i, prompt in enumerate(load_default_workload().prompts[:6]):
+        ids = tok.encode_prompt(tok.apply_chat_template([{"role": "user",
+                                                          "content": prompt.turns[0]}]))
+        params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=64, seed=900 + i)
+        plain = Generation(smollm.model, None, ids, params, None, 0, tok.eos_ids)
+        spec = Generation(smollm.model, None, ids, params, make(), 4, tok.eos_ids)
+        for gen in (plain, spec):
+            for _ in gen.run():
+                pass
+        assert spec.output == plain.output, prompt.id
+        drafted += spec.counters.drafted
+        accepted += spec.counters.accepted
+    assert accepted > 0.5 * drafted > 0
+
+
 def test_second_load_uses_the_converted_cache(
     smollm: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
