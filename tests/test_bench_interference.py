@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,8 @@ from specdecode.bench.interference import (
     parse_proc_stat,
     read_cpu_times,
 )
-from specdecode.bench.records import AuditVerdict, ConfigSpec, RequestSample
+from specdecode.bench.records import AuditVerdict, ConfigSpec, RequestSample, RunHeader
+from specdecode.bench.runner import RunnerDescription
 from specdecode.bench.store import RESULTS_FILE, read_results
 from specdecode.bench.workloads import Prompt
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
@@ -104,7 +106,7 @@ class MachineRunner(FakeRunner):
 
 
 def bench(tmp_path: Path, runner: MachineRunner, resume: bool = False,
-          prompts: int = 4) -> tuple[str, dict[str, object], str]:
+          prompts: int = 4) -> tuple[str, dict[str, Any], str]:
     out = io.StringIO()
     options = BenchOptions(tmp_path / "out", resume=resume, progress=False, n_resamples=200,
                            load_probe=runner.machine.probe)
@@ -197,7 +199,7 @@ def test_results_written_before_load_was_recorded_still_load(tmp_path: Path) -> 
     assert results.done_units() == {s.unit for s in results.samples}
 
 
-def run_header_with_threads(tmp_path: Path, threads: int):  # type: ignore[no-untyped-def]
+def run_header_with_threads(tmp_path: Path, threads: int) -> RunHeader:
     bench(tmp_path, MachineRunner())
     header = read_results(tmp_path / "out" / RESULTS_FILE).header
     hardware = dataclasses.replace(header.hardware, torch_threads=threads, cpu_cores=2)
@@ -245,7 +247,7 @@ def test_a_bench_run_beside_a_real_cpu_burner_is_flagged(tmp_path: Path) -> None
         """Each batch spins this process for 0.6 s of wall time, as a real measurement
         would compute, with as many torch threads as cores (none left free)."""
 
-        def describe(self):  # type: ignore[no-untyped-def]
+        def describe(self) -> RunnerDescription:
             return {**super().describe(), "runner": "in-process", "torch_threads": cores}
 
         def run(self, prompts: Sequence[Prompt], config: ConfigSpec) -> list[RequestSample]:

@@ -55,7 +55,12 @@ def test_trim_is_harmless_where_there_is_no_malloc_trim(monkeypatch: pytest.Monk
 def test_the_server_trims_after_each_long_prompt_only(
         tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     calls: list[int] = []
-    monkeypatch.setattr(allocator, "trim", lambda: calls.append(1) or True)
+
+    def counted() -> bool:
+        calls.append(1)
+        return True
+
+    monkeypatch.setattr(allocator, "trim", counted)
     long_text = "t3 " * (LONG_PROMPT_BYTES // 3 + 1)  # tokenized, then too long for the window
     with serving(tiny, drafter="none", max_prompt_bytes=1 << 20) as (srv, _):
         url = f"{srv.url}/v1/completions"

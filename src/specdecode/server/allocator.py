@@ -7,9 +7,9 @@ keeps that memory resident: measured (docs/measurements/server-soak.md), the byt
 flat while the bytes held grow with every thread that tokenized a long prompt. That is
 retention, not a leak, and `malloc_trim(0)` releases it. The server calls `trim` on the
 long-prompt thread after each long prompt, where its cost (a walk over the free lists) is off
-the event loop and the engine thread. Capping glibc's arenas (MALLOC_ARENA_MAX) would bound
-the retention too, but made concurrent tokenizing of short prompts several times slower
-(threads queue on the arena locks), so it is left to the operator's environment.
+the event loop and the engine thread. Capping glibc's arenas (MALLOC_ARENA_MAX) bounds the
+retention of many threads too, but made concurrent tokenizing of short prompts measurably
+slower (threads queue on the arena locks), so it is left to the operator's environment.
 
 On a C library without `malloc_trim` (musl, macOS) `trim` does nothing.
 """
