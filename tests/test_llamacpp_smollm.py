@@ -11,6 +11,7 @@ cases skip. Without llama-cpp-python the module skips unless SPECDECODE_REQUIRE_
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -47,11 +48,16 @@ def _ids(loaded: Any, prompts: list[Prompt]) -> list[list[int]]:
             for p in prompts]
 
 
-def _plain(loaded: Any, ids: list[list[int]], tokens: list[int]) -> list[list[int]]:
+def _params(tokens: list[int], params: list[SamplingParams] | None) -> list[SamplingParams]:
+    """Each request's sampling: greedy for its number of tokens, unless given."""
+    return params or [SamplingParams(max_tokens=n) for n in tokens]
+
+
+def _plain(loaded: Any, ids: list[list[int]], tokens: list[int],
+           params: list[SamplingParams] | None = None) -> list[list[int]]:
     out = []
-    for prompt, n in zip(ids, tokens, strict=True):
-        gen = Generation(loaded.model, None, prompt, SamplingParams(max_tokens=n), None, 0,
-                         loaded.tokenizer.eos_ids)
+    for prompt, p in zip(ids, _params(tokens, params), strict=True):
+        gen = Generation(loaded.model, None, prompt, p, None, 0, loaded.tokenizer.eos_ids)
         for _ in gen.run():
             pass
         gen.release()  # its llama.cpp sequence back to the pool
@@ -59,13 +65,13 @@ def _plain(loaded: Any, ids: list[list[int]], tokens: list[int]) -> list[list[in
     return out
 
 
-def _speculative(loaded: Any, ids: list[list[int]], tokens: list[int], batch: int, k: int
-                 ) -> list[list[int]]:
+def _speculative(loaded: Any, ids: list[list[int]], tokens: list[int], batch: int, k: int,
+                 params: list[SamplingParams] | None = None) -> list[list[int]]:
     """ngram drafts; k fixed at batch 1 (Generation.step), else BatchEngine rows of `batch`."""
     make = drafter_factory("ngram", loaded.model)
     assert make is not None
-    gens = [Generation(loaded.model, None, p, SamplingParams(max_tokens=n), make(), k,
-                       loaded.tokenizer.eos_ids) for p, n in zip(ids, tokens, strict=True)]
+    gens = [Generation(loaded.model, None, prompt, p, make(), k, loaded.tokenizer.eos_ids)
+            for prompt, p in zip(ids, _params(tokens, params), strict=True)]
     if batch == 1:
         for gen in gens:
             for _ in gen.run():
@@ -86,6 +92,21 @@ def _check(loaded: Any, prompts: list[Prompt], tokens: list[int]) -> None:
         got = _speculative(loaded, ids, tokens, batch, k)
         differ = [p.id for p, a, b in zip(prompts, got, plain, strict=True) if a != b]
         assert not differ, f"batch {batch}: outputs differ from plain on {differ}"
+
+
+def test_seeded_sampling_is_token_identical_on_the_builtin_workload(target: Any) -> None:
+    """Rule invariant (the default): sampled speculative output with a seed is plain sampled
+    output with that seed, at batch 1 (k 4) and in batches of 4 (k 6), 64 tokens."""
+    prompts = load_default_workload().prompts
+    ids = _ids(target, prompts)
+    settings = (SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64),
+                SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.1, max_tokens=64))
+    params = [dataclasses.replace(settings[i % 2], seed=500 + i) for i in range(len(ids))]
+    plain = _plain(target, ids, [64] * len(ids), params)
+    for batch, k in ((1, 4), (4, 6)):
+        got = _speculative(target, ids, [64] * len(ids), batch, k, params)
+        differ = [p.id for p, a, b in zip(prompts, got, plain, strict=True) if a != b]
+        assert not differ, f"batch {batch}: seeded outputs differ from plain on {differ}"
 
 
 def test_builtin_workload_is_token_identical(target: Any) -> None:

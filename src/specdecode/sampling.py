@@ -197,7 +197,8 @@ class PositionNoise:
     same whoever asks for it and in whatever order: plain decoding, the verifier and a model
     drafter all see the same g_i, and no draw elsewhere moves it. Uniforms v from 32 random bits
     go through E = -log1p(-v) (Exp(1), exact near E = 0 where the winning tail lies) and
-    g = -log(E) (Gumbel): the tail is cut at probability 2**-33 per token and position.
+    g = -log(E) (Gumbel): the winning tail is cut at probability 2**-33 per token and position,
+    and the 2**-25 of uniforms that round to 1 in float32 take the largest value below it.
     The last few positions are kept, since a model drafter and then the verifier ask for them.
     """
 
@@ -224,7 +225,8 @@ def _gumbel(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     key = np.array([seed, position], dtype=np.uint64)
     raw = np.random.Philox(key=key).random_raw((vocab_size + 1) // 2)
     bits = raw.view(np.uint32)[:vocab_size]
-    v = (bits.astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-32)  # (0, 1)
+    v = (bits.astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-32)
+    v = np.minimum(v, np.float32(1 - 2.0**-24), out=v)  # float32 rounds the top bits to 1.0
     return torch.from_numpy(-np.log(-np.log1p(-v)))
 
 
