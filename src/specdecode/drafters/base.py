@@ -19,12 +19,15 @@ import array
 import dataclasses
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, greedy_tokens, probs_from_logits, sample
+
+if TYPE_CHECKING:
+    from specdecode.constraints import Matcher
 
 EMPTY = torch.zeros(0, dtype=torch.long)  # no tokens (an empty draft, or no draft yet)
 
@@ -53,6 +56,20 @@ class DraftRequest:
     # length for the drafter's costly model part (a hybrid's; 0 = it sits out), while `k` is the
     # most its free part may propose. None: `k` for both.
     model_k: int | None = None
+    # Structured output: the request's grammar state (constraints.Matcher), or None. Draw each
+    # draft token through `allowed(drafted)` (drafters.base.draw's `allowed`).
+    constraint: Matcher | None = None
+    # Trailing context tokens not yet in the target's KV cache: the pending token, and the
+    # tokens a constraint forced since the last forward (engine.Generation). A drafter drafting
+    # in the target's cache (`rounds`) feeds them all before its first draft token.
+    unfed: int = 1
+
+    def allowed(self, drafted: list[int]) -> torch.Tensor | None:
+        """The constraint's (1, V) mask after context ++ `drafted`, or None: no constraint, or
+        `drafted` already left the grammar (the engine cuts the draft there anyway)."""
+        if self.constraint is None or self.constraint.valid_prefix(drafted) < len(drafted):
+            return None
+        return self.constraint.allowed(drafted)[None]
 
     def with_k(self, k: int) -> DraftRequest:
         """The same request for up to `k` tokens (a wrapper asking its inner drafter)."""
@@ -155,12 +172,14 @@ def ids_tensor(ids: list[int]) -> torch.Tensor:
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor, prompt_len: int,
-         generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+         generator: torch.Generator | None, allowed: torch.Tensor | None = None
+         ) -> tuple[int, torch.Tensor | None]:
     """One draft token from a drafter's (1, V) logits through the shared sampling pipeline:
-    greedy (q None), or sampled with the q (V,) it was drawn from."""
+    greedy (q None), or sampled with the q (V,) it was drawn from; `allowed`: the constraint's
+    (1, V) mask at this position (DraftRequest.allowed)."""
     if params.greedy:
-        return int(greedy_tokens(logits, params, history, prompt_len, EMPTY)[0]), None
-    q = probs_from_logits(logits, params, history, prompt_len, EMPTY)[0]
+        return int(greedy_tokens(logits, params, history, prompt_len, EMPTY, allowed)[0]), None
+    q = probs_from_logits(logits, params, history, prompt_len, EMPTY, allowed)[0]
     return int(sample(q, generator)), q
 
 

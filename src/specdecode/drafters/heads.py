@@ -244,10 +244,11 @@ class HeadsDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Draft:
         with torch.inference_mode():
             return self._propose(request.context.tolist(), request.k, request.params,
-                                 request.prompt_len, request.generator)
+                                 request.prompt_len, request.generator, request)
 
     def _propose(self, ctx: list[int], k: int, params: SamplingParams, prompt_len: int,
-                 generator: torch.Generator | None) -> Draft:
+                 generator: torch.Generator | None, request: DraftRequest | None = None
+                 ) -> Draft:
         if len(ctx) < 2 or self.num_feats < len(ctx) - 1 or len(ctx) + k > self.capacity:
             return Draft(EMPTY, None)  # no target features for this context (yet)
         self._reserve(len(ctx) + k)
@@ -256,7 +257,8 @@ class HeadsDrafter(Drafter):
         qs: list[torch.Tensor] = []
         for i in range(k):
             logits = self.model.full_logits(hidden)  # (1, V)
-            tok, q = draw(logits, params, ids_tensor(ctx + tokens), prompt_len, generator)
+            allowed = None if request is None else request.allowed(tokens)
+            tok, q = draw(logits, params, ids_tensor(ctx + tokens), prompt_len, generator, allowed)
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:
