@@ -365,3 +365,27 @@ def test_smollm_json_schema_output_validates_and_speculation_is_identical(smollm
     assert speculative.output == plain.output
     assert plain.finish_reason == "stop" and plain.counters.forced > 0
     jsonschema_rs.validate(SCHEMA, json.loads(tok.decode(plain.output)))
+
+
+# ------------------------------------------------------------------------ command line
+
+
+@pytest.mark.parametrize("command", ["generate", "audit", "bench"])
+def test_bad_constraint_flags_are_one_error_before_any_model_loads(
+        command: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import specdecode.models.loading as loading
+    from specdecode.cli import main
+
+    def no_model(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_model)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "nope"}')
+    argv = [command, *(["x"] if command == "generate" else []), "--json-schema", str(bad)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--json-schema {bad}: Invalid type: nope" in err and "Traceback" not in err
+    assert main([*argv[:-2], "--regex", "a(b"]) == 2
+    assert "--regex: " in capsys.readouterr().err

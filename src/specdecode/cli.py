@@ -10,10 +10,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from specdecode.cli_args import (
+    add_constraint_args,
     add_drafter_args,
     add_model_args,
     add_sampling_args,
     check_k,
+    constraint_spec,
     sampling_params,
 )
 from specdecode.errors import SpecDecodeError
@@ -27,6 +29,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)
     check_k(args)
+    spec = constraint_spec(args)
     loaded = load_model(args.model, args.precision, args.backend)
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
@@ -35,7 +38,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               heads=args.heads, distilled=args.distilled)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode_prompt(text), params,
-                     factory() if factory else None, args.k, eos)
+                     factory() if factory else None, args.k, eos,
+                     constraint=_bind(spec, loaded, eos))
     steps = auto_steps(loaded.model, gen, args.max_step_cost) if args.auto and factory else \
         gen.run()
     start = time.perf_counter()
@@ -63,6 +67,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def _bind(spec: Any, loaded: Any, eos: tuple[int, ...]) -> Any:
+    """The checked constraint bound to the loaded model's tokenizer (None: none asked)."""
+    from specdecode.constraints import compile_constraint
+
+    return None if spec is None else compile_constraint(spec, loaded.tokenizer,
+                                                        loaded.model.cfg.vocab_size, eos)
 
 
 AUDIT_PROMPTS = (
@@ -101,23 +113,26 @@ def cmd_audit(args: argparse.Namespace) -> int:
     check_k(args)
     if args.samples < 10:
         raise SpecDecodeError(f"--samples must be >= 10, got {args.samples}")
+    spec = constraint_spec(args)
     loaded = load_model(args.model, args.precision, args.backend)
     tok = loaded.tokenizer
     make = _audit_drafter(args, loaded)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
+    constraint = _bind(spec, loaded, eos)
     texts = [args.prompt] if args.prompt else list(AUDIT_PROMPTS)
     prompts = [tok.encode_prompt(tok.apply_chat_template([{"role": "user", "content": t}])
                           if tok.chat_template else t) for t in texts]
     print(f"# audit: {loaded.name} ({loaded.backend}, {loaded.precision}), drafter "
           f"{args.drafter}{' with fault ' + args.inject_fault if args.inject_fault else ''}, "
-          f"k={args.k}, temperature {params.temperature}", file=sys.stderr)
+          f"k={args.k}, temperature {params.temperature}"
+          f"{', constraint ' + spec.origin if spec else ''}", file=sys.stderr)
     if params.greedy:
-        result = audit_greedy(loaded.model, prompts, params, make, args.k, eos)
+        result = audit_greedy(loaded.model, prompts, params, make, args.k, eos, constraint)
     else:
         bar = tqdm(total=args.samples, desc="audit samples", file=sys.stderr)
         result = audit_sampled(loaded.model, prompts[0], params, make, args.k, args.samples,
                                args.tokens, args.false_alarm, seed=args.seed or 0, eos=eos,
-                               progress=lambda n: bar.update(n - bar.n))
+                               progress=lambda n: bar.update(n - bar.n), constraint=constraint)
         bar.close()
     print(json.dumps(result.to_dict()) if args.json else result.render())
     return 0 if result.passed else 1
@@ -146,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_sampling_args(g)
     add_drafter_args(g)
+    add_constraint_args(g)
     g.set_defaults(func=cmd_generate)
     a = sub.add_parser("audit", help="losslessness audit of a configuration (exit 1 on FAIL)")
     a.add_argument("--prompt", default=None, help="prompt (default: a few built-in ones)")
@@ -162,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(a)
     add_sampling_args(a)
     add_drafter_args(a)
+    add_constraint_args(a)
     a.set_defaults(func=cmd_audit, max_tokens=32)
     c = sub.add_parser("costs", help="benchmark: forward cost vs positions scored, v(k)")
     add_model_args(c)

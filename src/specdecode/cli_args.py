@@ -56,6 +56,27 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "default: no cap, serve: 1.5)")
 
 
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (docs/structured-output.md): at most one of these."""
+    g = p.add_argument_group("structured output (llguidance; at most one)")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to this JSON schema (a .json file)")
+    g.add_argument("--regex", default=None, metavar="R",
+                   help="constrain the output to match this regular expression")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="constrain the output to this Lark or GBNF grammar (a file)")
+
+
+def constraint_spec(args: argparse.Namespace) -> Any:
+    """The constraint the flags of add_constraint_args ask for (constraints.ConstraintSpec,
+    checked: a bad schema is one error naming its file, before any model loads), or None."""
+    if args.json_schema is None and args.regex is None and args.grammar is None:
+        return None
+    from specdecode.constraints import spec_from_args
+
+    return spec_from_args(args.json_schema, args.regex, args.grammar)
+
+
 def sampling_params(args: argparse.Namespace) -> Any:
     from specdecode.sampling import SamplingParams
 

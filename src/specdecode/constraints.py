@@ -159,23 +159,25 @@ def _check_grammar(grammar: str, tokenizer: Any, origin: str) -> None:
 # Binding to a tokenizer
 
 
-_LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+_LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]] = \
+    weakref.WeakKeyDictionary()
 
 
-def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's tokenizer for a specdecode Tokenizer (models.tokenizer), its EOS the
-    tokenizer's, over the model's vocabulary (ids past the tokenizer's are never allowed).
-    Made once per tokenizer and vocabulary size (about 0.3 s for a 49k vocabulary)."""
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...] = ()) -> Any:
+    """llguidance's tokenizer for a specdecode Tokenizer (models.tokenizer), over the model's
+    vocabulary (ids past the tokenizer's are never allowed), its EOS tokens `eos_ids` (the
+    engine's: default the tokenizer's). Made once per tokenizer, vocabulary size and EOS set
+    (about 0.3 s for a 49k vocabulary)."""
     made = _LL_TOKENIZERS.setdefault(tokenizer, {})
-    if vocab_size not in made:
-        eos = list(tokenizer.eos_ids) or None
+    eos = tuple(eos_ids) or tuple(tokenizer.eos_ids)
+    if (vocab_size, eos) not in made:
         try:
-            made[vocab_size] = _llguidance().LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size,
-                                                         eos_token=eos)
+            made[vocab_size, eos] = _llguidance().LLTokenizer(
+                tokenizer.to_json(), n_vocab=vocab_size, eos_token=list(eos) or None)
         except ValueError as exc:
             raise SpecDecodeError(f"structured output: llguidance cannot use this tokenizer "
                                   f"({exc})") from None
-    return made[vocab_size]
+    return made[vocab_size, eos]
 
 
 class Constraint:
@@ -195,9 +197,11 @@ class Constraint:
         return Matcher(self)
 
 
-def compile_constraint(spec: ConstraintSpec, tokenizer: Any, vocab_size: int) -> Constraint:
-    """`spec` bound to a specdecode Tokenizer and the model's vocabulary size."""
-    return Constraint(spec, ll_tokenizer(tokenizer, vocab_size), vocab_size)
+def compile_constraint(spec: ConstraintSpec, tokenizer: Any, vocab_size: int,
+                       eos_ids: tuple[int, ...] = ()) -> Constraint:
+    """`spec` bound to a specdecode Tokenizer, the model's vocabulary size and the engine's
+    EOS tokens (default: the tokenizer's): the grammar allows EOS where it may end."""
+    return Constraint(spec, ll_tokenizer(tokenizer, vocab_size, eos_ids), vocab_size)
 
 
 class Matcher:
@@ -314,8 +318,9 @@ class Matcher:
         if mask.numel() < self.vocab_size:  # a model vocabulary past the tokenizer's
             mask = torch.cat([mask, torch.zeros(self.vocab_size - mask.numel(), dtype=torch.bool)])
         only = torch.nonzero(mask).flatten()
-        if only.numel() == 1 and self._m.validate_tokens([int(only[0])]) == 0:
-            mask[only] = False  # llguidance marks token 0 in a mask that allows nothing
+        if only.numel() == 1 and int(only[0]) not in self.constraint.eos_ids and \
+                self._m.validate_tokens([int(only[0])]) == 0:
+            mask[only] = False  # llguidance marks a token it cannot take when none is allowed
         self.mask_ns += time.perf_counter_ns() - start
         return mask
 
