@@ -389,3 +389,27 @@ def test_bad_constraint_flags_are_one_error_before_any_model_loads(
     assert f"--json-schema {bad}: Invalid type: nope" in err and "Traceback" not in err
     assert main([*argv[:-2], "--regex", "a(b"]) == 2
     assert "--regex: " in capsys.readouterr().err
+
+
+def test_a_workload_line_carries_its_own_constraint_and_bench_flags_fill_the_rest(
+        tmp_path: Any) -> None:
+    from specdecode.bench.commands import constrain_workload
+    from specdecode.bench.workloads import load_workload, workload_fingerprint
+
+    path = tmp_path / "w.jsonl"
+    lines = [{"prompt": "a", "json_schema": {"type": "object"}},
+             {"prompt": "b", "regex": "(yes|no)"},
+             {"prompt": "c"},
+             {"prompt": "d", "json_schema": {"type": "nope"}},
+             {"prompt": "e", "regex": "a", "grammar": "start: \"a\""}]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    workload = load_workload(path)
+    assert [p.turns[0] for p in workload.prompts] == ["a", "b", "c"]
+    assert any('"json_schema": Invalid type: nope' in s for s in workload.skipped)
+    assert any("at most one" in s for s in workload.skipped)
+    kinds = [p.constraint["kind"] if p.constraint else None for p in workload.prompts]
+    assert kinds == ["json_schema", "regex", None]
+    filled = constrain_workload(workload, regex_spec("[0-9]+", "--regex"))
+    assert [p.constraint["text"] for p in filled.prompts if p.constraint] == [
+        '{"type": "object"}', "(yes|no)", "[0-9]+"]
+    assert workload_fingerprint(filled.prompts) != workload_fingerprint(workload.prompts)

@@ -15,6 +15,7 @@ the only one allowed is committed without being scored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import weakref
@@ -331,13 +332,11 @@ def constrain_draft(draft: Any, matcher: Matcher) -> Any:
     it would cost a scored position for nothing) and its q restricted to the mask at each
     drafted position (sampling.restrict_probs: unchanged for a drafter that drew through the
     mask). Lossless: see docs/structured-output.md."""
-    from specdecode.drafters.base import Draft
     from specdecode.sampling import restrict_probs
 
     tokens = draft.tokens.tolist()
     n = matcher.valid_prefix(tokens)
-    if n == 0:
-        return Draft(draft.tokens[:0], None, None)
-    q = None if draft.q is None else restrict_probs(draft.q[:n], matcher.masks(tokens[:n])[:n])
-    confidence = None if draft.confidence is None else draft.confidence[:n]
-    return Draft(draft.tokens[:n], q, confidence)
+    q = None if draft.q is None or n == 0 else restrict_probs(
+        draft.q[:n], matcher.masks(tokens[:n])[:n])
+    confidence = None if draft.confidence is None or n == 0 else draft.confidence[:n]
+    return dataclasses.replace(draft, tokens=draft.tokens[:n], q=q, confidence=confidence)

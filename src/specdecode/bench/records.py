@@ -147,6 +147,12 @@ class RequestSample:
     alpha_micro: int = 0
     alpha_positions: int = 0
     error: str = ""  # why the request failed ("" when it succeeded; see `failed`)
+    # structured output: whether the output satisfies the prompt's constraint (complete under
+    # its grammar; None: no constraint), tokens the constraint forced (emitted unscored), and
+    # seconds spent computing its masks
+    valid: bool | None = None
+    forced: int = 0
+    mask_s: float = 0.0
 
     @property
     def failed(self) -> bool:
