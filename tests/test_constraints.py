@@ -413,3 +413,39 @@ def test_a_workload_line_carries_its_own_constraint_and_bench_flags_fill_the_res
     assert [p.constraint["text"] for p in filled.prompts if p.constraint] == [
         '{"type": "object"}', "(yes|no)", "[0-9]+"]
     assert workload_fingerprint(filled.prompts) != workload_fingerprint(workload.prompts)
+
+
+@pytest.mark.slow
+def test_smollm_server_response_format_streams_valid_json_equal_to_plain(smollm: Any) -> None:
+    """response_format json_schema over HTTP (the int8 drafter at k = 3), streamed and not:
+    the same text as plain constrained decoding in-process, and it validates."""
+    import jsonschema_rs
+
+    from specdecode.constraints import compile_constraint
+    from tests.test_server import client, serving
+
+    tok = smollm.tokenizer
+    question = "Describe Ada, a 36 year old engineer who loves green, as JSON."
+    eos = tuple(sorted(set(tok.eos_ids) | set(smollm.model.cfg.eos_token_ids)))
+    spec = compile_constraint(json_schema_spec(SCHEMA, "schema"), tok,
+                              smollm.model.cfg.vocab_size, eos)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+    gen = Generation(smollm.model, tok, ids, SamplingParams(max_tokens=48), None, 0, eos,
+                     constraint=spec)
+    expected = "".join(out.text for out in gen.run())
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    with serving(smollm, max_batch=2, max_seq_len=512, k=3, auto=False) as (srv, _):
+        c = client(srv)
+        name = c.models.list().data[0].id
+        messages: Any = [{"role": "user", "content": question}]
+        whole = c.chat.completions.create(model=name, messages=messages, max_tokens=48,
+                                          temperature=0, response_format=fmt)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=name, messages=messages, max_tokens=48, temperature=0, stream=True,
+            response_format=fmt) if ch.choices)
+        any_object = c.chat.completions.create(model=name, messages=messages, max_tokens=48,
+                                               temperature=0,
+                                               response_format={"type": "json_object"})
+    assert whole.choices[0].message.content == expected == streamed
+    jsonschema_rs.validate(SCHEMA, json.loads(expected))
+    assert (any_object.choices[0].message.content or "").startswith("{")
