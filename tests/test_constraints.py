@@ -116,6 +116,8 @@ def test_matcher_masks_follow_the_grammar_and_roll_back(regex: Constraint) -> No
     m.allowed(ids("dcc"))  # a speculative path...
     assert m.commit(ids("dd")) == 2  # ...rolled back where the committed tokens differ
     assert m.accepting() and bool(m.allowed([])[EOS])
+    assert m.valid_prefix([EOS, EOS]) == 1 and not m.allowed([EOS]).any()  # nothing after EOS
+    assert m.commit(ids("e")) == 1 and m.valid_prefix(ids("f")) == 1  # the EOS path rolled back
     assert m.commit([EOS]) == 1
 
 

@@ -232,7 +232,9 @@ class Matcher:
         self._follow(prefix)
         while True:
             if len(self._masks) == len(self.path):  # the mask at the path's end
-                self._masks.append(self._compute_mask())
+                ended = bool(self.path) and self.path[-1] in self.constraint.eos_ids
+                self._masks.append(torch.zeros(self.vocab_size, dtype=torch.bool) if ended
+                                   else self._compute_mask())
             if len(prefix) < len(self._masks):
                 return self._masks[len(prefix)]
             tok = prefix[len(self.path)]
@@ -283,7 +285,7 @@ class Matcher:
     def rollback(self) -> None:
         """Drop the speculative path: back to the committed state."""
         if self.path:
-            self._m.rollback(len(self.path))
+            self._m.rollback(self._consumed(self.path))
             self.path.clear()
             del self._masks[1:]
 
@@ -302,11 +304,20 @@ class Matcher:
         while n < limit and self.path[n] == prefix[n]:
             n += 1
         if n < limit:
-            self._m.rollback(len(self.path) - n)
+            self._m.rollback(self._consumed(self.path[n:]))
             del self.path[n:]
             del self._masks[n + 1:]
 
+    def _consumed(self, tokens: list[int]) -> int:
+        """How many of `tokens` (a tail of the path) llguidance consumed: all but an EOS."""
+        return sum(1 for tok in tokens if tok not in self.constraint.eos_ids)
+
     def _consume(self, tok: int) -> None:
+        """Take `tok` onto the path. An EOS is not given to llguidance (whose rollback does
+        not count EOS tokens consumed after the grammar stopped): nothing may follow it."""
+        if tok in self.constraint.eos_ids:
+            self.path.append(tok)
+            return
         if not self._m.consume_token(tok):
             raise RuntimeError(f"llguidance refused token {tok}: {self._m.get_error()}")
         self.path.append(tok)
