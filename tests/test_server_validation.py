@@ -96,6 +96,19 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("repetition-penalty-tiny", COMPLETIONS, {**OK, "repetition_penalty": 1e-300}, 400,
      "repetition_penalty", "invalid_value"),
     ("seed-huge", COMPLETIONS, {**OK, "seed": 2**70}, 400, "seed", "invalid_value"),
+    ("response-format-unknown", CHAT, {**OK_CHAT, "response_format": {"type": "yaml"}}, 400,
+     "response_format", "unsupported_value"),
+    ("json-schema-invalid", CHAT, {**OK_CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400,
+     "response_format.json_schema.schema", "invalid_value"),
+    ("json-schema-missing", CHAT, {**OK_CHAT, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema", "invalid_value"),
+    ("guided-regex-invalid", COMPLETIONS, {**OK, "guided_regex": "a(b"}, 400, "guided_regex",
+     "invalid_value"),
+    ("guided-grammar-invalid", COMPLETIONS, {**OK, "guided_grammar": 'start: "a" | nope'}, 400,
+     "guided_grammar", "invalid_value"),
+    ("two-constraints", COMPLETIONS, {**OK, "guided_regex": "a", "guided_json": {}}, 400,
+     "guided_regex", "invalid_value"),
     ("oversized-body", COMPLETIONS, {**OK, "prompt": "t3 " * 400_000}, 413, None,
      "request_too_large"),
 ]
@@ -202,7 +215,7 @@ def test_fuzz_from_openapi_schema_never_5xx(plain_server: tuple[BackgroundServer
 
 
 UNSUPPORTED = ("n", "best_of", "suffix", "echo", "logprobs", "top_logprobs", "tools",
-               "response_format")
+               "response_format", "guided_json", "guided_regex", "guided_grammar")
 
 
 def _supported_request(case: Any) -> Any:

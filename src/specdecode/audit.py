@@ -72,8 +72,9 @@ class AuditResult:
 
 
 def _generate(model: Any, prompt: list[int], params: SamplingParams, drafter: Drafter | None,
-              k: int, eos: tuple[int, ...], template: Generation | None = None) -> Generation:
-    gen = Generation(model, None, prompt, params, drafter, k, eos)
+              k: int, eos: tuple[int, ...], template: Generation | None = None,
+              constraint: Any = None) -> Generation:
+    gen = Generation(model, None, prompt, params, drafter, k, eos, constraint=constraint)
     if template is not None:
         gen.adopt_prefill(template)
     for _ in gen.run():
@@ -83,12 +84,15 @@ def _generate(model: Any, prompt: list[int], params: SamplingParams, drafter: Dr
 
 
 def audit_greedy(model: Any, prompts: list[list[int]], params: SamplingParams,
-                 make_drafter: Callable[[], Drafter], k: int, eos: tuple[int, ...] = ()
-                 ) -> AuditResult:
+                 make_drafter: Callable[[], Drafter], k: int, eos: tuple[int, ...] = (),
+                 constraint: Any = None) -> AuditResult:
+    """Greedy identity, prompt by prompt; `constraint` (constraints.Constraint): both sides
+    constrained by it."""
     mismatches = 0
     for prompt in prompts:
-        plain = _generate(model, prompt, params, None, 0, eos).output
-        spec = _generate(model, prompt, params, make_drafter(), k, eos).output
+        plain = _generate(model, prompt, params, None, 0, eos, constraint=constraint).output
+        spec = _generate(model, prompt, params, make_drafter(), k, eos,
+                         constraint=constraint).output
         mismatches += plain != spec
     return AuditResult("greedy", mismatches == 0, len(prompts), params.max_tokens, 0.0,
                        mismatches=mismatches)
@@ -108,8 +112,8 @@ def _grouped(a: Counter[Outcome], b: Counter[Outcome], cells: int) -> tuple[list
 def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
                   make_drafter: Callable[[], Drafter], k: int, samples: int, tokens: int = 2,
                   false_alarm: float = 1e-3, cells: int = 30, seed: int = 0,
-                  eos: tuple[int, ...] = (), progress: Callable[[int], None] | None = None
-                  ) -> AuditResult:
+                  eos: tuple[int, ...] = (), progress: Callable[[int], None] | None = None,
+                  constraint: Any = None) -> AuditResult:
     if tokens < 2:
         raise SpecDecodeError(
             f"--tokens {tokens}: the sampled audit needs at least 2 tokens per outcome (the "
@@ -126,13 +130,14 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
         warm._sync(prompt)
     for i in range(samples):
         p = dataclasses.replace(params, max_tokens=tokens, seed=seed + 2 * i)
-        plain_out = _generate(model, prompt, p, None, 0, eos, template).output
+        plain_out = _generate(model, prompt, p, None, 0, eos, template, constraint).output
         plain[tuple(plain_out)] += 1
         if identical is not None:  # the same seed, speculatively: must give the same tokens
-            same = _speculative(model, prompt, p, make_drafter, warm, k, eos, template)
+            same = _speculative(model, prompt, p, make_drafter, warm, k, eos, template,
+                                constraint)
             identical += same.output == plain_out
         p = dataclasses.replace(p, seed=seed + 2 * i + 1)
-        gen = _speculative(model, prompt, p, make_drafter, warm, k, eos, template)
+        gen = _speculative(model, prompt, p, make_drafter, warm, k, eos, template, constraint)
         spec[tuple(gen.output)] += 1
         drafted += gen.counters.drafted
         accepted += gen.counters.accepted
@@ -153,11 +158,12 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
 
 def _speculative(model: Any, prompt: list[int], params: SamplingParams,
                  make_drafter: Callable[[], Drafter], warm: Drafter, k: int,
-                 eos: tuple[int, ...], template: Generation) -> Generation:
+                 eos: tuple[int, ...], template: Generation,
+                 constraint: Any) -> Generation:
     drafter = make_drafter()
     if isinstance(drafter, DraftModelDrafter) and isinstance(warm, DraftModelDrafter):
         drafter.copy_state_from(warm)  # its own cache, with the prompt already fed
-    return _generate(model, prompt, params, drafter, k, eos, template)
+    return _generate(model, prompt, params, drafter, k, eos, template, constraint)
 
 
 def _detectable_tv(samples: int, false_alarm: float, cells: int) -> float:

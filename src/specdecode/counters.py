@@ -24,6 +24,10 @@ class Counters:
     target_ns: int = 0
     verify_ns: int = 0
     other_ns: int = 0
+    # structured output: tokens a constraint forced (the only one allowed: emitted unscored)
+    # and the time spent computing its masks (the constraint's own cost)
+    forced: int = 0
+    mask_ns: int = 0
 
     def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
         self.steps += 1

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from specdecode.constraints import Constraint, constrain_draft
 from specdecode.control import AlphaEstimate, Controller, CostModel, StepObservation, best_width
 from specdecode.counters import Counters
 from specdecode.drafters.base import Draft, Drafter, DraftRequest, Rounds, ids_tensor
@@ -63,6 +64,7 @@ from specdecode.verify import (
 
 PREFILL_CHUNK = 256
 _EMPTY = torch.zeros(0, dtype=torch.long)
+DEAD_END = "constraint_dead_end"  # finish reason: the constraint allows no next token
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class StepOutput:
     tokens: list[int]  # tokens emitted by this step (after EOS / max_tokens truncation)
     text: str  # text safe to show now
     finish_reason: str | None  # None while running; "stop" (EOS or stop string) or "length"
+    # (or DEAD_END: a constraint allows no next token)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -100,6 +103,7 @@ class Generation:
         k: int = 0,
         eos_ids: tuple[int, ...] = (),
         category: str | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         params.validate(model.cfg.vocab_size)
         if not 0 <= k <= MAX_K:
@@ -110,7 +114,10 @@ class Generation:
         self.next_k = self.k  # draft length of the next step; a controller may change it
         self.model_k: int | None = None  # the controller's k for a fits_width drafter's model
         self.category = category
-        self.eos_ids = frozenset(eos_ids)
+        # structured output: the request's grammar state (constraints.Matcher), or None
+        self.matcher = constraint.matcher() if constraint is not None else None
+        self.eos_ids = frozenset(eos_ids) | frozenset(constraint.eos_ids if constraint else ())
+        self.unfed = 1  # trailing context tokens not in the cache: pending + forced ones
         # a request without a seed gets one, recorded, so that any output can be reproduced
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = make_generator(self.seed)
@@ -187,8 +194,9 @@ class Generation:
         return self.finish_step(logits[0], draft, None if hidden is None else hidden[0])
 
     def fed(self, draft: Draft) -> torch.Tensor:
-        """The tokens the target scores this step: the pending token, then the draft."""
-        return torch.cat([torch.tensor(self.context[-1:]), draft.tokens])  # (k+1,)
+        """The tokens the target scores this step: the pending token (after it any tokens a
+        constraint forced since the last step: unscored), then the draft."""
+        return torch.cat([torch.tensor(self.context[-self.unfed:]), draft.tokens])
 
     def propose(self) -> Draft:
         """This request's draft for its next step (timed into its counters)."""
@@ -202,7 +210,8 @@ class Generation:
         if self.drafter is None or k <= 0:
             return Draft(_EMPTY, None)
         request = DraftRequest(ids_tensor(self.context), k, self.params, self.prompt_len,
-                               self.generator, self.model_k, self.noise, self.position)
+                               self.generator, self.model_k, self.noise, self.position,
+                               self.matcher, self.unfed)
         if self.drafter.cache_model is not None and holds_tensors(self.cache):
             return self.drafter.rounds(request)
         with torch.inference_mode():
@@ -213,7 +222,8 @@ class Generation:
     def end_draft(self, draft: Draft) -> Draft:
         """The draft cut to this step's budget, as the verifier takes it."""
         draft = cut(draft, self._draft_budget())
-        return Draft(draft.tokens.to(torch.long), draft.q, draft.confidence)
+        draft = Draft(draft.tokens.to(torch.long), draft.q, draft.confidence)
+        return draft if self.matcher is None else constrain_draft(draft, self.matcher)
 
     @property
     def position(self) -> int:
@@ -226,9 +236,12 @@ class Generation:
 
     def finish_step(self, logits: torch.Tensor, draft: Draft,
                     hidden: torch.Tensor | None = None) -> StepOutput:
-        """Moves 3-5 for this request, given the target's (k+1, V) logits of this step (and its
-        (k+1, H) hidden states when the drafter observes them)."""
+        """Moves 3-5 for this request, given the target's (unfed + k, V) logits of this step
+        (and its hidden states when the drafter observes them): rows for the unfed tokens
+        before the pending one (forced by a constraint) are not scored."""
         c = self.counters
+        forced_fed = self.unfed - 1
+        logits = logits[forced_fed:]
         t2 = time.perf_counter_ns()
         result, alphas = self._verify(logits, draft)  # 3. verify
         t3 = time.perf_counter_ns()
@@ -237,9 +250,17 @@ class Generation:
         committed = result.tokens.tolist()
         if self.drafter is not None:
             if hidden is not None and self.wants_hidden:  # features of the kept positions
-                self.drafter.observe(hidden[: result.num_accepted + 1], base)
+                self.drafter.observe(hidden[: forced_fed + result.num_accepted + 1],
+                                     base - forced_fed)
             self.drafter.observe_result(draft, result.num_accepted, committed)
-        out = self._emit(committed)
+        end = None
+        if self.matcher is not None:
+            committed, forced, end = self._constrain_commit(committed)
+            c.forced += len(forced)
+            c.mask_ns = self.matcher.mask_ns
+            committed = committed + forced
+            self.unfed = 1 + len(forced)
+        out = self._emit(committed, end)
         c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
         self.last_committed = result.num_accepted + 1
         c.record_alpha(alphas)
@@ -248,24 +269,48 @@ class Generation:
         c.other_ns += time.perf_counter_ns() - t3
         return out
 
+    def _constrain_commit(self, committed: list[int]) -> tuple[list[int], list[int], str | None]:
+        """Structured output: advance the matcher by the committed tokens (rolling back the
+        rest of the draft), then take the tokens it forces (the only one allowed: the
+        target's constrained distribution is that token with probability 1, so it is emitted
+        without being scored). Returns (committed, forced, DEAD_END or None)."""
+        assert self.matcher is not None
+        taken = self.matcher.commit(committed)
+        forced: list[int] = []
+        if taken == len(committed) and not self.eos_ids.intersection(committed):
+            room = self.params.max_tokens - len(self.output) - len(committed)
+            while len(forced) < room and (tok := self.matcher.forced()) is not None:
+                self.matcher.commit([tok])
+                forced.append(tok)
+                if tok in self.eos_ids:
+                    break
+        ended = self.eos_ids.intersection(committed + forced)
+        dead = taken < len(committed) or (not ended and self.matcher.dead())
+        return committed[:taken], forced, DEAD_END if dead else None
+
+    def _row_masks(self, draft: Draft) -> torch.Tensor | None:
+        """The constraint's (k+1, V) masks of this step's rows (after context ++ draft[:t])."""
+        return None if self.matcher is None else self.matcher.masks(draft.tokens.tolist())
+
     def _verify(self, logits: torch.Tensor, draft: Draft) -> tuple[VerifyResult, list[float]]:
         """Verification plus the per-position alpha samples sum_x min(p, q) it evaluated."""
         k = len(draft.tokens)
+        allowed = self._row_masks(draft)
         if self.params.greedy:  # the context only where penalties read it (uses_history)
             history = ids_tensor(self.context) if uses_history(self.params) else _EMPTY
             target = greedy_tokens(logits, self.params, history, min(self.prompt_len,
-                                   len(history)), draft.tokens)
+                                   len(history)), draft.tokens, allowed)
             result = verify_greedy(target, draft.tokens)
             seen = min(result.num_accepted + 1, k)
             return result, [float(target[i] == draft.tokens[i]) for i in range(seen)]
         ctx = ids_tensor(self.context)
         if self.noise is not None:  # rule "invariant": the target's Gumbel-max tokens
-            x = process_logits(logits, self.params, ctx, self.prompt_len, draft.tokens)
+            x = process_logits(logits, self.params, ctx, self.prompt_len, draft.tokens, allowed)
             noise, first, vocab = self.noise, self.position, x.shape[-1]
             result = verify_invariant(x, draft.tokens, lambda i: noise.gumbel(first + i, vocab))
             seen = min(result.num_accepted + 1, k)
             return result, [float(result.tokens[i] == draft.tokens[i]) for i in range(seen)]
-        p = probs_from_logits(logits, self.params, ctx, self.prompt_len, draft.tokens)
+        p = probs_from_logits(logits, self.params, ctx, self.prompt_len, draft.tokens, allowed)
         result = verify_chain(p, draft.q, draft.tokens, self.generator)
         seen = min(result.num_accepted + 1, k)
         if draft.q is None:
@@ -273,8 +318,9 @@ class Generation:
             return result, p[rows, draft.tokens[:seen]].tolist()
         return result, acceptance_probability(p[:seen], draft.q[:seen]).tolist()
 
-    def _emit(self, tokens: list[int]) -> StepOutput:
-        """Commit tokens to the context; stop at EOS, max_tokens or a stop string."""
+    def _emit(self, tokens: list[int], end: str | None = None) -> StepOutput:
+        """Commit tokens to the context; stop at EOS, max_tokens or a stop string, else with
+        `end` if given."""
         emitted: list[int] = []
         reason: str | None = None
         for tok in tokens:
@@ -285,6 +331,7 @@ class Generation:
             if len(self.output) + len(emitted) >= self.params.max_tokens:
                 reason = "length"
                 break
+        reason = reason if reason is not None else end
         self.context.extend(tokens)
         self.output.extend(emitted)
         text = ""
@@ -370,7 +417,7 @@ class BatchEngine:
         logits, hidden = self._score(drafts)
         outputs = []
         for i, (gen, draft) in enumerate(zip(list(self.active), drafts, strict=True)):
-            rows = len(draft.tokens) + 1
+            rows = len(draft.tokens) + gen.unfed
             features = None if hidden is None else hidden[i, :rows]
             outputs.append((gen, gen.finish_step(logits[i, :rows], draft, features)))
         if self.controller is not None:

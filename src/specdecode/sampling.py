@@ -87,6 +87,9 @@ class SamplingParams:
 
 # ---------------------------------------------------------------------------------------------
 # Logits processing. Order (fixed; p and q both go through exactly this code):
+#   0. constraint mask                (structured output: tokens the grammar forbids -> -inf;
+#                                      a row that allows none is left as it is, see
+#                                      _apply_allowed)
 #   1. logit_bias                     (added to the raw logits)
 #   2. repetition penalty             (HF: logit > 0 -> logit / r, else logit * r; every history
 #                                      token, prompt included)
@@ -109,6 +112,7 @@ def process_logits(
     context: torch.Tensor,  # (L,) int64: prompt + committed output
     prompt_len: int,
     extra: torch.Tensor,  # (n,) int64, n >= T - 1: draft tokens scored after context
+    allowed: torch.Tensor | None = None,  # (T, V) bool: the constraint's mask per row
 ) -> torch.Tensor:
     """Return the processed float32 logits (T, V) of `logits`, in the order listed above.
 
@@ -121,6 +125,8 @@ def process_logits(
     """
     _check_shapes(logits, context, prompt_len, extra)
     x = logits.to(dtype=torch.float32, copy=True)  # (T, V)
+    if allowed is not None:
+        _apply_allowed(x, allowed)
     if params.logit_bias:
         _apply_logit_bias(x, params.logit_bias)
     drafted = extra[: max(x.shape[0] - 1, 0)]  # (T-1,): extra[s] is in rows t > s
@@ -147,13 +153,14 @@ def probs_from_logits(
     context: torch.Tensor,  # (L,) int64
     prompt_len: int,
     extra: torch.Tensor,  # (n,) int64, n >= T - 1
+    allowed: torch.Tensor | None = None,  # (T, V) bool: the constraint's mask per row
 ) -> torch.Tensor:
     """Return the (T, V) float32 sampling distributions: p for the target, q for a drafter.
 
     Sampling params: softmax of `process_logits`. Greedy params: one-hot rows at the argmax of the
     bias- and penalty-processed logits (ties go to the lowest token id, as torch.argmax does).
     """
-    x = process_logits(logits, params, context, prompt_len, extra)  # (T, V)
+    x = process_logits(logits, params, context, prompt_len, extra, allowed)  # (T, V)
     if params.greedy:
         return _one_hot_rows(argmax_rows(x), x.shape[-1])
     return torch.softmax(x, dim=-1)
@@ -165,18 +172,31 @@ def greedy_tokens(
     context: torch.Tensor,  # (L,) int64
     prompt_len: int,
     extra: torch.Tensor,  # (n,) int64, n >= T - 1
+    allowed: torch.Tensor | None = None,  # (T, V) bool: the constraint's mask per row
 ) -> torch.Tensor:
     """Return the (T,) int64 argmax of the bias- and penalty-processed logits (lowest id on ties).
 
     The same token `probs_from_logits` puts its one-hot mass on for greedy params; temperature and
     filters in `params` are ignored (greedy decoding is the argmax whatever they are).
     """
-    if not uses_history(params) and not params.logit_bias:  # nothing moves the argmax: skip
+    if not uses_history(params) and not params.logit_bias and allowed is None:  # nothing
+        # moves the argmax: skip
         if logits.dim() != 2:  # the copy and the context (a step's hot path)
             raise ValueError(f"logits must be (T, V), got shape {tuple(logits.shape)}")
         return argmax_rows(logits)
     greedy = dataclasses.replace(params, temperature=0.0)
-    return argmax_rows(process_logits(logits, greedy, context, prompt_len, extra))
+    return argmax_rows(process_logits(logits, greedy, context, prompt_len, extra, allowed))
+
+
+def restrict_probs(probs: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Distributions (T, V) already computed, restricted to the constraint's mask (T, V) and
+    renormalised: a draft's q as the engine verifies it (a q drawn through the mask is
+    unchanged; one drawn without it becomes the conditional law of a draft token the grammar
+    allows, which with forbidden tokens cut before verification keeps any drafter exact, see
+    docs/structured-output.md). Rows with no mass inside the mask are left as they are."""
+    kept = probs * allowed
+    mass = kept.sum(dim=-1, keepdim=True)  # (T, 1)
+    return torch.where(mass > 0, kept / mass.clamp(min=1e-30), probs)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -272,6 +292,16 @@ def _one_hot_rows(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     out = torch.zeros(tokens.shape[0], vocab_size, dtype=torch.float32)  # (T, V)
     out[torch.arange(tokens.shape[0]), tokens] = 1.0
     return out
+
+
+def _apply_allowed(x: torch.Tensor, allowed: torch.Tensor) -> None:
+    """Structured output, in place: -inf where the constraint's (T, V) mask forbids a token.
+    A row that allows no token (the grammar's dead end) is left as it is: the engine ends the
+    request there and never emits a token drawn from it."""
+    if allowed.shape != x.shape:
+        raise ValueError(f"allowed must be {tuple(x.shape)}, got {tuple(allowed.shape)}")
+    blocked = ~allowed & allowed.any(dim=-1, keepdim=True)  # (T, V)
+    x.masked_fill_(blocked, -math.inf)
 
 
 def _apply_logit_bias(x: torch.Tensor, logit_bias: tuple[tuple[int, float], ...]) -> None:

@@ -82,6 +82,7 @@ class TurnRequest:
     turn: int
     prompt_ids: list[int]
     params: SamplingParams
+    constraint: Any = None  # constraints.Constraint: the prompt's structured output, or None
 
 
 @dataclass
@@ -120,6 +121,7 @@ class Finished:
     rejections: int
     target_kv: int  # bytes of the target's KV cache allocated for the request
     draft_kv: int  # bytes of the drafter's KV cache (0 without one)
+    valid: bool | None = None  # the output satisfies its constraint (None: no constraint)
 
 
 def kv_bytes(cache: object) -> int:
@@ -135,7 +137,7 @@ def generate_one(
     """Run one request alone (`Generation.step`, its own cache), timing every emission."""
     trace = RequestTrace(time.perf_counter())
     gen = Generation(model, tokenizer, request.prompt_ids, request.params, drafter, k, eos_ids,
-                     category=request.prompt.category)
+                     category=request.prompt.category, constraint=request.constraint)
     while gen.finish_reason is None:
         out = gen.step()
         trace.observe(out, time.perf_counter())
@@ -144,7 +146,12 @@ def generate_one(
     target_kv, draft_kv = kv_bytes(gen.cache), kv_bytes(getattr(drafter, "cache", None))
     gen.release()
     return Finished(list(gen.output), trace, gen.counters, gen.counters.rejections, target_kv,
-                    draft_kv)
+                    draft_kv, constraint_valid(gen))
+
+
+def constraint_valid(gen: Generation) -> bool | None:
+    """Whether a finished request's output satisfies its constraint (None: it has none)."""
+    return None if gen.matcher is None else gen.matcher.accepting()
 
 
 def generate_batch(
@@ -158,7 +165,8 @@ def generate_batch(
     `k` is each request's draft length, or its maximum when `controller` chooses per step.
     """
     gens = [Generation(model, tokenizer, r.prompt_ids, r.params, d, k, eos_ids,
-                       category=r.prompt.category) for r, d in zip(requests, drafters, strict=True)]
+                       category=r.prompt.category, constraint=r.constraint)
+            for r, d in zip(requests, drafters, strict=True)]
     batch = engine.BatchEngine(model, len(gens), max(g.capacity for g in gens), controller)
     start = time.perf_counter()
     traces = {id(g): RequestTrace(start) for g in gens}
@@ -174,7 +182,7 @@ def generate_batch(
             traces[id(gen)].observe(out, now)
     target_kv = kv_bytes(batch.cache)
     return [Finished(list(g.output), traces[id(g)], g.counters, g.counters.rejections,
-                     target_kv, draft_kv[id(g)]) for g in gens]
+                     target_kv, draft_kv[id(g)], constraint_valid(g)) for g in gens]
 
 
 def to_sample(config: ConfigSpec, request: TurnRequest, done: Finished) -> RequestSample:
@@ -195,6 +203,7 @@ def to_sample(config: ConfigSpec, request: TurnRequest, done: Finished) -> Reque
         alpha_micro=c.alpha_micro, alpha_positions=c.alpha_positions,
         seed=request.params.seed,
         rule="" if request.params.greedy else request.params.rule,
+        valid=done.valid, forced=c.forced, mask_s=c.mask_ns / 1e9,
     )
 
 
@@ -310,6 +319,7 @@ class InProcessRunner:
         self._audits: dict[tuple[str, int, float], AuditVerdict] = {}
         self._hash: str | None = None
         self._peers: LlamaCppPeers | None = None
+        self._constraints: dict[tuple[str, str], Any] = {}
 
     # ---------------------------------------------------------------- protocol: description
 
@@ -398,7 +408,20 @@ class InProcessRunner:
                 f"prompt {prompt.id} turn {turn}: {len(ids)} prompt tokens + max_tokens "
                 f"{params.max_tokens} + k {k} exceed the drafter's capacity of {self.capacity} "
                 "tokens (fit_capacity sets it from the workload)")
-        return TurnRequest(prompt, turn, ids, params)
+        return TurnRequest(prompt, turn, ids, params, self._constraint(prompt))
+
+    def _constraint(self, prompt: Prompt) -> Any:
+        """The prompt's constraint bound to the model's tokenizer (compiled once per text)."""
+        if prompt.constraint is None:
+            return None
+        from specdecode.constraints import ConstraintSpec, compile_constraint
+
+        key = (prompt.constraint["kind"], prompt.constraint["text"])
+        if key not in self._constraints:
+            self._constraints[key] = compile_constraint(
+                ConstraintSpec(**prompt.constraint), self.loaded.tokenizer,
+                self.loaded.model.cfg.vocab_size, self.eos_ids)
+        return self._constraints[key]
 
     def _generate(self, requests: Sequence[TurnRequest], config: ConfigSpec) -> list[Finished]:
         factory, k = self.factory(config), config_k(config)
@@ -418,6 +441,9 @@ class InProcessRunner:
         """One request through a llama-cpp-python peer (bench.peers); batch 1 only."""
         if config.batch_size != 1:
             raise SpecDecodeError(f"config {config.name}: peers run at batch size 1")
+        if request.constraint is not None:
+            raise SpecDecodeError(f"config {config.name}: the llama-cpp-python peers do not "
+                                  "take structured-output constraints")
         if self._peers is None:
             model = self.loaded.model
             self._peers = LlamaCppPeers(self.loaded.source, model.threads, self.capacity + 64)
@@ -533,7 +559,8 @@ class InProcessRunner:
                   disable=not self.progress, file=sys.stderr, leave=False) as bar:
             r = audit_sampled(self.loaded.model, request.prompt_ids, request.params, factory,
                               config_k(config), self.audit_samples, AUDIT_TOKENS, seed=self.seed,
-                              eos=self.eos_ids, progress=lambda i: bar.update(i - bar.n))
+                              eos=self.eos_ids, progress=lambda i: bar.update(i - bar.n),
+                              constraint=request.constraint)
         details = (f"temperature {request.params.temperature:g}, prompt {request.prompt.id}: "
                    f"first {r.tokens} tokens, {r.samples} plain vs {r.samples} speculative "
                    f"samples at batch size 1; TV estimate {r.tv_estimate:.3f} (upper bound "

@@ -19,6 +19,7 @@ before the first measurement. Errors are SpecDecodeError: the CLI prints one lin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any, Literal, TextIO
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec
 from specdecode.bench.workloads import Prompt, Workload, load_default_workload, load_workload
+from specdecode.constraints import spec_from_namespace
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import K_RANGE, MAX_K, valid_k
 
@@ -280,12 +282,45 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     validate_configs(grid)
     workload = select_workload(args.workload, args.categories, args.limit_per_category,
                                args.strict)
+    workload = constrain_workload(workload, spec_from_namespace(args))
     report_skipped(workload, err)
     cap = args.max_tokens if args.max_tokens is not None else (
         DEFAULT_MAX_TOKENS_CAP if args.workload is None else None)
     out_dir = preflight(args.out or default_out_dir(), args.resume)
     return BenchPlan(workload, grid, out_dir, args.resume, args.seed, cap,
                      progress=not args.quiet, n_resamples=args.resamples)
+
+
+def constrain_workload(workload: Workload, spec: Any) -> Workload:
+    """The workload with `spec` (--json-schema / --regex / --grammar) as the constraint of
+    every prompt that names none of its own."""
+    if spec is None:
+        return workload
+    prompts = [p if p.constraint is not None else dataclasses.replace(p, constraint=spec.to_dict())
+               for p in workload.prompts]
+    return dataclasses.replace(workload, prompts=prompts)
+
+
+def structured_lines(results_path: Path) -> list[str]:
+    """Per configuration with constrained requests: outputs valid under their constraint, the
+    constraint's own cost (mask time against the request time) and the tokens it forced."""
+    from specdecode.bench.store import read_results
+
+    by_config: dict[tuple[str, int], list[Any]] = {}
+    for s in read_results(results_path).samples:
+        if s.valid is not None:
+            by_config.setdefault((s.config, s.batch_size), []).append(s)
+    lines = []
+    for (name, batch), samples in sorted(by_config.items()):
+        valid = sum(1 for s in samples if s.valid)
+        mask = sum(s.mask_s for s in samples)
+        total = sum(s.latency_s for s in samples)
+        tokens = sum(s.output_tokens for s in samples)
+        forced = sum(s.forced for s in samples)
+        lines.append(f"structured output, {name} at batch {batch}: {valid}/{len(samples)} "
+                     f"outputs valid; masks {mask:.2f} s = {mask / total if total else 0:.1%} "
+                     f"of request time; {forced}/{tokens} tokens forced (unscored)")
+    return lines
 
 
 def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: int,

@@ -156,6 +156,12 @@ class RequestSample:
     # unknown, e.g. a remote server): under "invariant" the same seed gives the same tokens
     seed: int | None = None
     rule: str = ""
+    # structured output: whether the output satisfies the prompt's constraint (complete under
+    # its grammar; None: no constraint), tokens the constraint forced (emitted unscored), and
+    # seconds spent computing its masks
+    valid: bool | None = None
+    forced: int = 0
+    mask_s: float = 0.0
 
     @property
     def failed(self) -> bool:

@@ -8,7 +8,9 @@ Two line formats, detected per line:
 - plain: `{"prompt": str | [str, ...], "category"?: str, "id"?: str, "max_tokens"?: int,
   "temperature"?: float}`; without "id" a prompt is named `<file stem>-<line number>`.
 
-Both formats accept optional "max_tokens" and "temperature". Blank lines are ignored. A malformed
+Both formats accept optional "max_tokens" and "temperature", and at most one structured-output
+constraint (docs/structured-output.md): "json_schema" (a schema object), "regex" or "grammar"
+(Lark or GBNF text). Blank lines are ignored. A malformed
 line is reported as `path:line: reason` and skipped, or refused in strict mode.
 """
 
@@ -46,6 +48,8 @@ class Prompt:
     max_tokens: int | None = None
     temperature: float | None = None
     source: str = ""
+    # structured output: constraints.ConstraintSpec.to_dict() (kind, text, origin), or None
+    constraint: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,7 +128,30 @@ def parse_prompt(obj: object, default_id: str, source: str) -> Prompt:
         max_tokens=_opt_int(obj, "max_tokens"),
         temperature=_opt_temperature(obj),
         source=source,
+        constraint=_constraint(obj),
     )
+
+
+CONSTRAINT_KEYS = ("json_schema", "regex", "grammar")
+
+
+def _constraint(obj: dict[str, Any]) -> dict[str, str] | None:
+    """The line's structured-output constraint, checked (constraints.ConstraintSpec), or None."""
+    given = [key for key in CONSTRAINT_KEYS if key in obj]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise MalformedLine(f"give at most one of {', '.join(CONSTRAINT_KEYS)}, got {given}")
+    from specdecode.constraints import grammar_spec, json_schema_spec, regex_spec
+
+    key, value = given[0], obj[given[0]]
+    if key != "json_schema" and not isinstance(value, str):
+        raise MalformedLine(f'"{key}" must be a string')
+    make = {"json_schema": json_schema_spec, "regex": regex_spec, "grammar": grammar_spec}[key]
+    try:
+        return make(value, f'"{key}"').to_dict()
+    except SpecDecodeError as exc:
+        raise MalformedLine(str(exc)) from None
 
 
 def _parse_line(raw: bytes, path: Path, lineno: int, seen: set[str]) -> Prompt:
@@ -248,7 +275,9 @@ def workload_fingerprint(prompts: Sequence[Prompt]) -> str:
     """sha256 of the selected prompts' content (ids, categories, turns, limits), not of paths."""
     digest = hashlib.sha256()
     for p in prompts:
-        item = [p.id, p.category, p.turns, p.max_tokens, p.temperature]
+        item: list[Any] = [p.id, p.category, p.turns, p.max_tokens, p.temperature]
+        if p.constraint is not None:  # (prompts without one keep their fingerprints)
+            item.append([p.constraint["kind"], p.constraint["text"]])
         digest.update(json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n")
     return digest.hexdigest()
 

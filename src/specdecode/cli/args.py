@@ -111,6 +111,33 @@ def add_train_args(p: argparse.ArgumentParser, default_out: str) -> None:
                    help="torch threads (default: torch's choice; 1 on a shared machine)")
 
 
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (docs/structured-output.md): at most one of these."""
+    g = p.add_argument_group("structured output (llguidance; at most one)")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to this JSON schema (a .json file)")
+    g.add_argument("--regex", default=None, metavar="R",
+                   help="constrain the output to match this regular expression")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="constrain the output to this Lark or GBNF grammar (a file)")
+
+
+def constraint_spec(args: argparse.Namespace) -> Any:
+    """The constraint the flags of add_constraint_args ask for (constraints.ConstraintSpec,
+    checked: a bad schema is one error naming its file, before any model loads), or None."""
+    from specdecode.constraints import spec_from_namespace
+
+    return spec_from_namespace(args)
+
+
+def bind_constraint(spec: Any, loaded: Any, eos: tuple[int, ...]) -> Any:
+    """The checked constraint bound to the loaded model's tokenizer (None: none asked)."""
+    from specdecode.constraints import compile_constraint
+
+    return None if spec is None else compile_constraint(spec, loaded.tokenizer,
+                                                        loaded.model.cfg.vocab_size, eos)
+
+
 def sampling_params(args: argparse.Namespace) -> Any:
     """SamplingParams from the sampling arguments, checked."""
     from specdecode.sampling import SamplingParams

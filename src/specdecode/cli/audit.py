@@ -9,10 +9,13 @@ import sys
 from typing import Any
 
 from specdecode.cli.args import (
+    add_constraint_args,
     add_drafter_args,
     add_model_args,
     add_sampling_args,
+    bind_constraint,
     check_k,
+    constraint_spec,
     sampling_params,
 )
 from specdecode.errors import SpecDecodeError
@@ -40,6 +43,7 @@ def register(sub: Any) -> None:
     add_model_args(a)
     add_sampling_args(a)
     add_drafter_args(a)
+    add_constraint_args(a)
     a.set_defaults(func=cmd_audit, max_tokens=32)
 
 
@@ -78,24 +82,27 @@ def cmd_audit(args: argparse.Namespace) -> int:
         params = dataclasses.replace(params, rule="residual")
     if args.samples < 10:
         raise SpecDecodeError(f"--samples must be >= 10, got {args.samples}")
+    spec = constraint_spec(args)
     loaded = load_model(args.model, args.precision, args.backend)
     tok = loaded.tokenizer
     make = _audit_drafter(args, loaded)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
+    constraint = bind_constraint(spec, loaded, eos)
     texts = [args.prompt] if args.prompt else list(AUDIT_PROMPTS)
     prompts = [tok.encode_prompt(tok.apply_chat_template([{"role": "user", "content": t}])
                           if tok.chat_template else t) for t in texts]
     print(f"# audit: {loaded.name} ({loaded.backend}, {loaded.precision}), drafter "
           f"{args.drafter}{' with fault ' + args.inject_fault if args.inject_fault else ''}, "
           f"k={args.k}, temperature {params.temperature}"
-          f"{'' if params.greedy else ', rule ' + params.rule}", file=sys.stderr)
+          f"{'' if params.greedy else ', rule ' + params.rule}"
+          f"{', constraint ' + spec.origin if spec else ''}", file=sys.stderr)
     if params.greedy:
-        result = audit_greedy(loaded.model, prompts, params, make, args.k, eos)
+        result = audit_greedy(loaded.model, prompts, params, make, args.k, eos, constraint)
     else:
         bar = tqdm(total=args.samples, desc="audit samples", file=sys.stderr)
         result = audit_sampled(loaded.model, prompts[0], params, make, args.k, args.samples,
                                args.tokens, args.false_alarm, seed=args.seed or 0, eos=eos,
-                               progress=lambda n: bar.update(n - bar.n))
+                               progress=lambda n: bar.update(n - bar.n), constraint=constraint)
         bar.close()
     print(json.dumps(result.to_dict()) if args.json else result.render())
     return 0 if result.passed else 1

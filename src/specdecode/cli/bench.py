@@ -16,6 +16,7 @@ from specdecode.bench.plan import (
     DEFAULT_RUNNER_MAX_TOKENS,
 )
 from specdecode.cli.args import (
+    add_constraint_args,
     add_measurement_args,
     add_model_args,
     add_run_args,
@@ -56,6 +57,7 @@ def register(sub: Any) -> None:
     add_model_args(b)
     add_measurement_args(b)
     add_workload_args(b)
+    add_constraint_args(b)
     b.add_argument("--limit-per-category", type=int, default=None,
                    help=f"first N prompts of each category (built-in workload default: "
                         f"{DEFAULT_LIMIT_PER_CATEGORY}; a file: all)")
@@ -99,6 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         runner = bench_plan.make_runner(args, plan, bench_plan.default_max_tokens(args))
         outcome = bench_plan.execute(runner, plan, out)
+    for line in bench_plan.structured_lines(outcome.results_path):
+        print(line, file=out)
     print(f"{outcome.measured} requests measured ({outcome.resumed} resumed) in "
           f"{time.perf_counter() - start:.0f} s; results in {outcome.results_path.parent}",
           file=out)

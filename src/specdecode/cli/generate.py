@@ -9,10 +9,13 @@ import time
 from typing import Any
 
 from specdecode.cli.args import (
+    add_constraint_args,
     add_drafter_args,
     add_model_args,
     add_sampling_args,
+    bind_constraint,
     check_k,
+    constraint_spec,
     sampling_params,
 )
 
@@ -26,6 +29,7 @@ def register(sub: Any) -> None:
     add_model_args(g)
     add_sampling_args(g)
     add_drafter_args(g)
+    add_constraint_args(g)
     g.set_defaults(func=cmd_generate)
 
 
@@ -37,6 +41,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)
     check_k(args)
+    spec = constraint_spec(args)
     loaded = load_model(args.model, args.precision, args.backend)
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
@@ -45,7 +50,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               heads=args.heads, distilled=args.distilled)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode_prompt(text), params,
-                     factory() if factory else None, args.k, eos)
+                     factory() if factory else None, args.k, eos,
+                     constraint=bind_constraint(spec, loaded, eos))
     steps = auto_steps(loaded, gen, args.max_step_cost) if args.auto and factory else \
         gen.run()
     start = time.perf_counter()

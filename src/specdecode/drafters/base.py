@@ -19,7 +19,7 @@ import array
 import dataclasses
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,6 +32,9 @@ from specdecode.sampling import (
     process_logits,
     sample,
 )
+
+if TYPE_CHECKING:
+    from specdecode.constraints import Matcher
 
 EMPTY = torch.zeros(0, dtype=torch.long)  # no tokens (an empty draft, or no draft yet)
 
@@ -66,6 +69,20 @@ class DraftRequest:
     # be accepted (verify.verify_invariant).
     noise: PositionNoise | None = None
     position: int = 0
+    # Structured output: the request's grammar state (constraints.Matcher), or None. Draw each
+    # draft token through `allowed(drafted)` (drafters.base.draw's `allowed`).
+    constraint: Matcher | None = None
+    # Trailing context tokens not yet in the target's KV cache: the pending token, and the
+    # tokens a constraint forced since the last forward (engine.Generation). A drafter drafting
+    # in the target's cache (`rounds`) feeds them all before its first draft token.
+    unfed: int = 1
+
+    def allowed(self, drafted: list[int]) -> torch.Tensor | None:
+        """The constraint's (1, V) mask after context ++ `drafted`, or None: no constraint, or
+        `drafted` already left the grammar (the engine cuts the draft there anyway)."""
+        if self.constraint is None or self.constraint.valid_prefix(drafted) < len(drafted):
+            return None
+        return self.constraint.allowed(drafted)[None]
 
     def with_k(self, k: int) -> DraftRequest:
         """The same request for up to `k` tokens (a wrapper asking its inner drafter)."""
@@ -167,16 +184,17 @@ def ids_tensor(ids: list[int]) -> torch.Tensor:
         0, dtype=torch.int64)
 
 
-def draw(logits: torch.Tensor, request: DraftRequest, history: torch.Tensor, i: int
-         ) -> tuple[int, torch.Tensor | None]:
+def draw(logits: torch.Tensor, request: DraftRequest, history: torch.Tensor, i: int,
+         allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
     """Draft token i of `request` from a drafter's (1, V) logits after `history` (the context
     and draft tokens 0..i-1), through the shared sampling pipeline: greedy (q None), or sampled
     with the q (V,) it was drawn from: by the request's position-keyed noise under rule
-    "invariant", from its generator under "residual"."""
+    "invariant", from its generator under "residual". `allowed`: the constraint's (1, V) mask
+    at this position (DraftRequest.allowed)."""
     params, prompt_len = request.params, request.prompt_len
     if params.greedy:
-        return int(greedy_tokens(logits, params, history, prompt_len, EMPTY)[0]), None
-    x = process_logits(logits, params, history, prompt_len, EMPTY)[0]  # (V,)
+        return int(greedy_tokens(logits, params, history, prompt_len, EMPTY, allowed)[0]), None
+    x = process_logits(logits, params, history, prompt_len, EMPTY, allowed)[0]  # (V,)
     q = torch.softmax(x, dim=-1)
     if request.noise is not None:
         return gumbel_argmax(x, request.noise.gumbel(request.position + i, x.shape[-1])), q

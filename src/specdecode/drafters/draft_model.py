@@ -21,6 +21,7 @@ of its own like any draft model."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -118,7 +119,7 @@ class DraftModelDrafter(Drafter):
         if len(ctx) + k + 1 > self.capacity:
             return Draft(EMPTY, None)
         self._reserve(len(ctx) + k + 1)
-        steps = self.rounds(request)
+        steps = self.rounds(dataclasses.replace(request, unfed=1))
         try:
             next(steps)  # the pending token: fed by the sync, with whatever else is new
             logits = self._sync(ctx)
@@ -136,9 +137,11 @@ class DraftModelDrafter(Drafter):
         history = request.context.tolist()
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
-        logits = yield history[-1]
+        for fed in history[len(history) - request.unfed:]:  # the pending token (and any forced)
+            logits = yield fed
         for i in range(k):
-            tok, q = draw(logits.view(1, -1), request, ids_tensor(history + tokens), i)
+            tok, q = draw(logits.view(1, -1), request, ids_tensor(history + tokens), i,
+                          request.allowed(tokens))
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:

@@ -67,8 +67,9 @@ class FaultyDrafter(DraftModelDrafter):
         qs: list[torch.Tensor] = []
         for i in range(k):
             history = ids_tensor(ctx + tokens)
-            q_true = probs_from_logits(logits, sampling, history, prompt_len, EMPTY)[0]
-            qs.append(probs_from_logits(other, reported, history, prompt_len, EMPTY)[0])
+            allowed = request.allowed(tokens)  # structured output: the fault, not the mask
+            q_true = probs_from_logits(logits, sampling, history, prompt_len, EMPTY, allowed)[0]
+            qs.append(probs_from_logits(other, reported, history, prompt_len, EMPTY, allowed)[0])
             tokens.append(int(sample(q_true, generator)))
             if i + 1 < k:
                 logits = self._feed(tokens[-1:])

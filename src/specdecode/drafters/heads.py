@@ -253,7 +253,7 @@ class HeadsDrafter(Drafter):
         qs: list[torch.Tensor] = []
         for i in range(k):
             logits = self.model.full_logits(hidden)  # (1, V)
-            tok, q = draw(logits, request, ids_tensor(ctx + tokens), i)
+            tok, q = draw(logits, request, ids_tensor(ctx + tokens), i, request.allowed(tokens))
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:

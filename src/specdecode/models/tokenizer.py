@@ -35,6 +35,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizers` JSON (what llguidance builds its own from)."""
+        return str(self._tok.to_str())
+
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

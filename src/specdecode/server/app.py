@@ -108,6 +108,7 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
         prepare.check_chat(req)
     else:
         prepare.check_completion(req)
+    spec = prepare.constraint_spec(req)
     size = prepare.check_prompt_size(served, req)
     state.admit()  # before tokenizing: pending tokenization counts against the queue
     try:
@@ -117,7 +118,7 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
                     functools.partial(_prompt_and_params, served, req)))
         else:
             prompt_ids, params = await run_in_threadpool(_prompt_and_params, served, req)
-        gen = prepare.new_generation(served, prompt_ids, params)
+        gen = prepare.new_generation(served, prompt_ids, params, spec)
         if state.draining:  # began while this prompt was being tokenized
             raise shutdown.refusal()
         sub = Submission(state.worker, gen, state.metrics, state.release)

@@ -18,6 +18,14 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from specdecode.constraints import (
+    ANY_JSON_OBJECT,
+    ConstraintSpec,
+    compile_constraint,
+    grammar_spec,
+    json_schema_spec,
+    regex_spec,
+)
 from specdecode.drafters.registry import DrafterFactory
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
@@ -93,9 +101,52 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise APIError(400, "tool_choice must be 'none' or 'auto' without tools (this server "
                             "supports none)", "tool_choice", "invalid_value")
     kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise APIError(400, f"response_format type '{kind}' is not supported (text only)",
-                       "response_format", "unsupported_value")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"response_format type '{kind}' is not supported (text, "
+                            "json_object, json_schema)", "response_format", "unsupported_value")
+
+
+def constraint_spec(req: SamplingRequest) -> ConstraintSpec | None:
+    """The request's structured-output constraint (response_format json_object / json_schema,
+    or vLLM's guided_json / guided_regex / guided_grammar), checked: a bad schema or grammar
+    is a 400 naming the field. None: unconstrained text."""
+    asked: list[tuple[str, Any]] = []
+    response_format = getattr(req, "response_format", None) or {}
+    kind = response_format.get("type", "text")
+    if kind == "json_object":
+        asked.append(("response_format", ANY_JSON_OBJECT))
+    elif kind == "json_schema":
+        asked.append(("response_format.json_schema.schema", _schema_of(response_format)))
+    asked += [(name, value) for name, value in (
+        ("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
+        ("guided_grammar", req.guided_grammar)) if value is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = " and ".join(name for name, _ in asked)
+        raise APIError(400, f"give one structured-output constraint, got {names}",
+                       asked[1][0], "invalid_value")
+    field, value = asked[0]
+    make = regex_spec if field == "guided_regex" else grammar_spec \
+        if field == "guided_grammar" else json_schema_spec
+    try:
+        return make(value, field)
+    except SpecDecodeError as exc:
+        raise APIError(400, str(exc), field, "invalid_value") from None
+
+
+def _schema_of(response_format: dict[str, Any]) -> Any:
+    """response_format.json_schema.schema (OpenAI: {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}})."""
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON "
+                            "schema object)", "response_format.json_schema", "invalid_value")
+    schema = spec["schema"]
+    if not isinstance(schema, dict | bool):
+        raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                       "response_format.json_schema.schema", "invalid_value")
+    return schema
 
 
 def check_prompt_size(served: ServedModel,
@@ -241,12 +292,16 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
     return tuple(sorted(pairs))
 
 
-def new_generation(served: ServedModel, prompt_ids: list[int],
-                   params: SamplingParams) -> Generation:
-    """A Generation for the engine, with a fresh per-request drafter when speculating."""
+def new_generation(served: ServedModel, prompt_ids: list[int], params: SamplingParams,
+                   spec: ConstraintSpec | None = None) -> Generation:
+    """A Generation for the engine, with a fresh per-request drafter when speculating, under
+    the request's structured-output constraint `spec` if any."""
     drafter = served.make_drafter() if served.make_drafter is not None else None
     try:
+        constraint = None if spec is None else compile_constraint(
+            spec, served.tokenizer, served.vocab_size, served.eos_ids)
         return Generation(served.model, served.tokenizer, prompt_ids, params, drafter,
-                          served.k if drafter is not None else 0, served.eos_ids)
+                          served.k if drafter is not None else 0, served.eos_ids,
+                          constraint=constraint)
     except SpecDecodeError as exc:
-        raise APIError(400, str(exc), None, "invalid_value") from exc
+        raise APIError(400, str(exc), spec.origin if spec else None, "invalid_value") from exc

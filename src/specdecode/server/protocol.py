@@ -72,6 +72,10 @@ class SamplingRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured output, as vLLM spells it (extensions; docs/structured-output.md)
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="extension")
+    guided_regex: str | None = Field(default=None, description="extension")
+    guided_grammar: str | None = Field(default=None, description="extension (Lark or GBNF)")
 
 
 class CompletionRequest(SamplingRequest):
