@@ -74,7 +74,9 @@ def register(sub: Any) -> None:
                    help="generations per side of the sampled losslessness audit of each "
                         f"speculative config at temperature > 0 (default "
                         f"{DEFAULT_AUDIT_SAMPLES}; 0: none)")
-    b.add_argument("--resume", action="store_true", help="continue the run in --out")
+    b.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (failed requests and those measured under "
+                        "interference are measured again)")
     b.add_argument("--endpoint", action="append", default=None, metavar="[NAME=]URL",
                    help="measure this OpenAI-compatible server over HTTP instead of the "
                         "in-process engine (repeatable: the first is the baseline; see above)")
