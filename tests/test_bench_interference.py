@@ -257,7 +257,7 @@ def test_a_bench_run_beside_a_real_cpu_burner_is_flagged(tmp_path: Path) -> None
             return super().run(prompts, config)
 
     out = io.StringIO()
-    with burner(cores):
+    with burner(cores + 1):  # more spinners than cores: they hold most of every core
         outcome = run_bench(Spinning(), workload_of(make_prompts(2, multi_turn_every=99)),
                             [plain(), ngram()], BenchOptions(tmp_path / "out", progress=False,
                                                              n_resamples=100), out=out)
