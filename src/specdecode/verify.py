@@ -171,3 +171,234 @@ def _check_chain_shapes(p: torch.Tensor, q: torch.Tensor | None, k: int) -> None
         raise ValueError(f"p must be ({k + 1}, V) for {k} draft tokens, got {tuple(p.shape)}")
     if q is not None and q.shape != (k, p.shape[1]):
         raise ValueError(f"q must be ({k}, {p.shape[1]}), got {tuple(q.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Token trees (docs/design.md, "Trees"): verification only, not yet wired into the engine
+# ---------------------------------------------------------------------------------------------
+#
+# A tree draft of n nodes: parents (n,) int64, parents[i] the index of node i's parent or -1 for
+# a child of the root (the pending position); tokens (n,) int64; optionally q (n, V), q[i] the
+# distribution node i's token was drawn from. Nodes are in topological order (parents[i] < i).
+# The target scores the root and every node in one pass: row 0 of p (or of the target's tokens
+# or logits) is the root's, row i + 1 follows node i's path. A chain of k tokens is the tree
+# parents = [-1, 0, 1, ..., k - 2].
+
+
+@dataclass(frozen=True)
+class TreeVerifyResult:
+    """path: the accepted nodes, root to leaf, (m,) int64 (node indices, to compact the KV rows);
+    tokens: their tokens, then one recovered or bonus token, (m + 1,) int64."""
+
+    path: torch.Tensor
+    tokens: torch.Tensor
+
+    @property
+    def num_accepted(self) -> int:
+        return int(self.path.numel())
+
+
+def check_tree(
+    parents: torch.Tensor, tokens: torch.Tensor, vocab_size: int | None = None
+) -> None:
+    """Raise ValueError unless (parents, tokens) is a well-formed tree draft: 1-D integer tensors
+    of one length, every parent -1 or an earlier node (which also rules out cycles and a parent
+    after its child), and, given vocab_size, every token in 0..vocab_size - 1."""
+    if parents.dim() != 1 or tokens.dim() != 1 or parents.numel() != tokens.numel():
+        raise ValueError(
+            f"parents and tokens must be 1-D of one length, got {tuple(parents.shape)} and "
+            f"{tuple(tokens.shape)}"
+        )
+    for name, t in (("parents", parents), ("tokens", tokens)):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    for i, parent in enumerate(parents.tolist()):
+        if not -1 <= parent < i:
+            raise ValueError(
+                f"node {i} has parent {parent}: a parent must be -1 (the root) or an earlier "
+                "node (nodes in topological order; no cycles)"
+            )
+    if vocab_size is not None and tokens.numel() > 0:
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"tree tokens must be in 0..{vocab_size - 1}, got {low}..{high}")
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node, (n,) int64: 1 for a child of the root, parent's depth + 1 below.
+    A node of depth d is the step's output position d - 1 (the root is depth 0)."""
+    depths: list[int] = []
+    for parent in parents.tolist():
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return torch.tensor(depths, dtype=torch.int64)
+
+
+def tree_path(parents: torch.Tensor, node: int) -> list[int]:
+    """The nodes from the root's child down to `node` (inclusive); [] for node -1 (the root)."""
+    parent_list = parents.tolist()
+    path: list[int] = []
+    while node >= 0:
+        path.append(node)
+        node = parent_list[node]
+    return path[::-1]
+
+
+def verify_tree_greedy(
+    target_tokens: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor
+) -> TreeVerifyResult:
+    """Greedy verification of a tree: accept the longest root path whose every token is the
+    target's argmax at its parent, then emit the target's token after its last node.
+
+    target_tokens: (n + 1,), [0] the target's argmax at the root, [i + 1] after node i.
+    Siblings with one token (a drafter should merge them): every matching path is checked and
+    the longest wins, the lowest last-node index among equally long ones; either way the emitted
+    tokens are the target's greedy tokens, as every accepted path matches them.
+    """
+    check_tree(parents, tokens)
+    if target_tokens.shape != (tokens.numel() + 1,):
+        raise ValueError(
+            f"target_tokens must be ({tokens.numel() + 1},), got {tuple(target_tokens.shape)}"
+        )
+    target = target_tokens.tolist()
+    return _longest_match(parents, tokens, lambda node, _depth: target[node + 1])
+
+
+def verify_tree(
+    p: torch.Tensor,  # (n+1, V) target distributions: row 0 at the root, row i+1 after node i
+    parents: torch.Tensor,  # (n,) int64
+    tokens: torch.Tensor,  # (n,) int64
+    q: torch.Tensor | None,  # (n, V) what each node was drawn from, or None (deterministic)
+    generator: torch.Generator | None,
+) -> TreeVerifyResult:
+    """Recursive rejection sampling over siblings (SpecInfer's multi-step speculative sampling,
+    Miao et al. 2024; Jeon et al. 2024, "Recursive Speculative Decoding").
+
+    From the root: with residual r = p at the current node, its children j are tried in index
+    order; child j is accepted with probability min(1, r(x_j) / q_j(x_j)), and then the walk
+    moves to it (r = p at that node); on rejection r <- norm(max(0, r - q_j)) and the next child
+    is tried. When no child is accepted (a leaf: no child at all) the last token is drawn from r:
+    the recovered token, or the bonus token from p after a leaf. A chain-shaped tree gives
+    verify_chain's result, draw for draw.
+
+    Lossless (docs/design.md, "Trees") when the nodes are drawn in index order, each from its
+    reported q given the tokens drawn before it and independently of this function's uniforms:
+    siblings drawn independently (q_j = the draft's q at the parent's path), or without
+    replacement (q_j = that q with the earlier siblings' tokens removed and renormalised:
+    `without_replacement`), or fixed in advance.
+
+    q = None, or q_j(x_j) = 0: node j is verified as if q_j were one-hot on x_j (accepted with
+    probability r(x_j); the residual is r without x_j), as verify_chain does. A residual with no
+    mass (r <= q_j everywhere: r == q_j up to rounding, so the rejection came from rounding)
+    keeps r, the limit of the residual as q_j -> r.
+
+    Randomness: exactly n uniforms (one per node, used if the node is tried) then one
+    categorical draw, all from `generator`, whatever the outcome.
+    """
+    n = tokens.numel()
+    if p.dim() != 2 or p.shape[0] != n + 1:
+        raise ValueError(f"p must be ({n + 1}, V) for {n} tree nodes, got {tuple(p.shape)}")
+    check_tree(parents, tokens, p.shape[1])
+    if q is not None and q.shape != (n, p.shape[1]):
+        raise ValueError(f"q must be ({n}, {p.shape[1]}), got {tuple(q.shape)}")
+    children = _children(parents)
+    draft = tokens.tolist()
+    q_x = [1.0] * n if q is None else q[torch.arange(n), tokens].tolist()  # (n,) q_j(x_j)
+    u = torch.rand(n, generator=generator, dtype=torch.float64).tolist()  # (n,)
+    path: list[int] = []
+    node = -1
+    while True:
+        # the residual is weights / mass; at a node it starts as p there (mass 1, as in
+        # verify_chain: p is taken as normalised)
+        weights, mass = p[node + 1], 1.0
+        accepted = -1
+        for j in children[node]:
+            x = draft[j]
+            one_hot = q_x[j] <= 0  # q None or q_j(x_j) = 0
+            # accept while u_j < r(x_j) / q_j(x_j), compared as u_j * q_j(x_j) * mass < weights(x_j)
+            if u[j] * (1.0 if one_hot else q_x[j]) * mass < float(weights[x]):
+                accepted = j
+                break
+            r = weights if mass == 1.0 else weights / mass
+            weights = _residual(r, None if one_hot or q is None else q[j], x)
+            mass = 1.0 if weights is r else float(weights.sum())
+        if accepted < 0:
+            break
+        path.append(accepted)
+        node = accepted
+    next_token = int(sample(weights, generator))
+    tokens_out = torch.tensor([*(draft[j] for j in path), next_token], dtype=torch.int64)
+    return TreeVerifyResult(torch.tensor(path, dtype=torch.int64), tokens_out)
+
+
+def without_replacement(q: torch.Tensor, drawn: list[int]) -> torch.Tensor:
+    """The distribution of a sibling drawn from q (V,) without replacement after the siblings
+    `drawn`: q with those tokens removed, renormalised. What verify_tree needs as that sibling's
+    q row when siblings are drawn without replacement (Jeon et al. 2024's RSD)."""
+    rest = q.clone()
+    rest[drawn] = 0.0
+    total = float(rest.sum())
+    if total <= 0:
+        raise ValueError("no mass left to draw a sibling without replacement")
+    return rest / total
+
+
+def verify_tree_invariant(
+    x: torch.Tensor,  # (n+1, V) the target's processed logits: row 0 at the root, i+1 after node i
+    parents: torch.Tensor,  # (n,) int64
+    tokens: torch.Tensor,  # (n,) int64
+    noise: Callable[[int], torch.Tensor],  # output offset d -> (V,) Gumbel noise of that position
+) -> TreeVerifyResult:
+    """Drafter-invariant verification of a tree (verify_invariant's rule, level by level).
+
+    The target's token after a node of depth d (the root: d = 0) is its Gumbel-max token
+    argmax(x_row + g_d), g_d the noise of the step's output offset d: the noise is keyed by the
+    output position, never by the row, so every node of one depth sees the same g_d. The longest
+    root path whose every token equals the target's token at its parent is accepted (the lowest
+    last-node index among equally long ones) and the target's token after it is emitted. Every
+    emitted token is the target's Gumbel-max token at its position given the tokens before it,
+    so the output is plain seeded decoding's, whatever the tree. noise(d) is asked for only for
+    the depths reached. Greedy: verify_tree_greedy on the argmax.
+    """
+    n = tokens.numel()
+    if x.dim() != 2 or x.shape[0] != n + 1:
+        raise ValueError(f"x must be ({n + 1}, V) for {n} tree nodes, got {tuple(x.shape)}")
+    check_tree(parents, tokens, x.shape[1])
+    made: dict[int, torch.Tensor] = {}
+
+    def target_token(node: int, depth: int) -> int:
+        if depth not in made:
+            made[depth] = noise(depth)
+        return gumbel_argmax(x[node + 1], made[depth])
+
+    return _longest_match(parents, tokens, target_token)
+
+
+def _longest_match(
+    parents: torch.Tensor, tokens: torch.Tensor, target_token: Callable[[int, int], int]
+) -> TreeVerifyResult:
+    """The longest root path whose every token is target_token(parent, parent's depth), the
+    lowest last-node index among equally long ones, then target_token after it. target_token is
+    asked only about the root and the nodes on matching paths, level by level."""
+    children = _children(parents)
+    draft = tokens.tolist()
+    best, best_token = -1, target_token(-1, 0)
+    level = [(-1, best_token)]  # the matching nodes of one depth, with the target's next token
+    depth = 0
+    while level:
+        depth += 1
+        matched = [j for node, t in level for j in children[node] if draft[j] == t]
+        level = [(j, target_token(j, depth)) for j in sorted(matched)]
+        if level:
+            best, best_token = level[0]
+    path = tree_path(parents, best)
+    tokens_out = torch.tensor([*(draft[j] for j in path), best_token], dtype=torch.int64)
+    return TreeVerifyResult(torch.tensor(path, dtype=torch.int64), tokens_out)
+
+
+def _children(parents: torch.Tensor) -> dict[int, list[int]]:
+    """node (-1: the root) -> its children in index order; every node has an entry."""
+    children: dict[int, list[int]] = {-1: []}
+    for i, parent in enumerate(parents.tolist()):
+        children[i] = []
+        children[parent].append(i)
+    return children
