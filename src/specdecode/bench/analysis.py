@@ -431,6 +431,57 @@ class CategorySummary:
 
 
 @dataclass
+class StructuredSummary:
+    """Structured output of one configuration's constrained requests: how many outputs satisfy
+    their constraint, the tokens it forced (emitted unscored) and its own cost, the time spent
+    computing masks against the requests' time."""
+
+    n_constrained: int
+    n_valid: int
+    output_tokens: int
+    forced_tokens: int
+    mask_s: float
+    request_s: float
+
+    @property
+    def valid_share(self) -> float:
+        return _ratio(self.n_valid, self.n_constrained)
+
+    @property
+    def forced_share(self) -> float:
+        return _ratio(self.forced_tokens, self.output_tokens)
+
+    @property
+    def mask_share(self) -> float:
+        """Mask time / request time (the constraint's cost against the whole request)."""
+        return _ratio(self.mask_s, self.request_s)
+
+    @property
+    def mask_per_token_s(self) -> float:
+        return _ratio(self.mask_s, self.output_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "valid_share": self.valid_share,
+                "forced_share": self.forced_share, "mask_share": self.mask_share,
+                "mask_per_token_s": self.mask_per_token_s}
+
+
+def structured_summary(samples: Sequence[RequestSample]) -> StructuredSummary | None:
+    """Validity, forced tokens and mask cost of the constrained samples; None without any."""
+    constrained = [s for s in samples if s.valid is not None]
+    if not constrained:
+        return None
+    return StructuredSummary(
+        n_constrained=len(constrained),
+        n_valid=sum(1 for s in constrained if s.valid),
+        output_tokens=sum(s.output_tokens for s in constrained),
+        forced_tokens=sum(s.forced for s in constrained),
+        mask_s=sum(s.mask_s for s in constrained),
+        request_s=sum(s.latency_s for s in constrained),
+    )
+
+
+@dataclass
 class ConfigSummary:
     """Everything the report says about one configuration at one batch size."""
 
@@ -451,10 +502,17 @@ class ConfigSummary:
     cost_source: str = ""  # "cost curve" | "in-run timings" | ""
     k_effective: float = math.nan  # k, or mean drafted per step for k = "auto"
     predicted_speedup: float = math.nan
+    structured: StructuredSummary | None = None  # None: no constrained request
 
     @property
     def key(self) -> tuple[str, int]:
         return self.spec.key
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields; `structured` with its shares (valid, forced, mask time)."""
+        out = asdict(self)
+        out["structured"] = self.structured.to_dict() if self.structured else None
+        return out
 
 
 def wall_time(samples: Sequence[RequestSample]) -> float:
@@ -480,6 +538,7 @@ def _base_summary(spec: ConfigSpec, samples: Sequence[RequestSample]) -> ConfigS
         latency=distribution([s.latency_s for s in samples]),
         tpot=distribution([_tpot(s) for s in samples if s.output_tokens > 0]),
         acceptance=acceptance(samples),
+        structured=structured_summary(samples),
     )
 
 
@@ -627,7 +686,7 @@ class Analysis:
         return jsonable({
             "n_resamples": self.n_resamples,
             "seed": self.seed,
-            "configs": [asdict(c) for c in self.configs],
+            "configs": [c.to_dict() for c in self.configs],
             "audits": [a.to_dict() for a in self.audits],
         })
 

@@ -29,7 +29,14 @@ from typing import Any, Literal, TextIO
 
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec
-from specdecode.bench.workloads import Prompt, Workload, load_default_workload, load_workload
+from specdecode.bench.workloads import (
+    BUILTIN_WORKLOADS,
+    Prompt,
+    Workload,
+    load_builtin_workload,
+    load_default_workload,
+    load_workload,
+)
 from specdecode.constraints import spec_from_namespace
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import K_RANGE, MAX_K, valid_k
@@ -210,10 +217,13 @@ def parse_categories(text: str | None) -> list[str] | None:
 
 def select_workload(workload: str | None, categories: str | None, limit: int | None,
                     strict: bool) -> Workload:
-    """The --workload file, or the built-in one (one prompt per category unless --limit...)."""
+    """The --workload file; the built-in default one (one prompt per category unless
+    --limit...); or another built-in one by name (`structured`: every prompt)."""
     cats = parse_categories(categories)
     if workload is None:
         return load_default_workload(cats, limit or DEFAULT_LIMIT_PER_CATEGORY)
+    if workload in BUILTIN_WORKLOADS:
+        return load_builtin_workload(workload, cats, limit)
     return load_workload(workload, categories=cats, limit_per_category=limit, strict=strict)
 
 
@@ -304,22 +314,21 @@ def constrain_workload(workload: Workload, spec: Any) -> Workload:
 def structured_lines(results_path: Path) -> list[str]:
     """Per configuration with constrained requests: outputs valid under their constraint, the
     constraint's own cost (mask time against the request time) and the tokens it forced."""
+    from specdecode.bench.analysis import structured_summary
     from specdecode.bench.store import read_results
 
     by_config: dict[tuple[str, int], list[Any]] = {}
     for s in read_results(results_path).samples:
-        if s.valid is not None:
-            by_config.setdefault((s.config, s.batch_size), []).append(s)
+        by_config.setdefault((s.config, s.batch_size), []).append(s)
     lines = []
     for (name, batch), samples in sorted(by_config.items()):
-        valid = sum(1 for s in samples if s.valid)
-        mask = sum(s.mask_s for s in samples)
-        total = sum(s.latency_s for s in samples)
-        tokens = sum(s.output_tokens for s in samples)
-        forced = sum(s.forced for s in samples)
-        lines.append(f"structured output, {name} at batch {batch}: {valid}/{len(samples)} "
-                     f"outputs valid; masks {mask:.2f} s = {mask / total if total else 0:.1%} "
-                     f"of request time; {forced}/{tokens} tokens forced (unscored)")
+        st = structured_summary(samples)
+        if st is None:
+            continue
+        lines.append(f"structured output, {name} at batch {batch}: {st.n_valid}/"
+                     f"{st.n_constrained} outputs valid; masks {st.mask_s:.2f} s = "
+                     f"{st.mask_share:.1%} of request time; {st.forced_tokens}/"
+                     f"{st.output_tokens} tokens forced (unscored)")
     return lines
 
 
@@ -430,8 +439,9 @@ def round_robin(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
 def tune_workload(args: argparse.Namespace) -> Workload:
     """--prompts greedy prompts, spread over the categories (default: the built-in workload)."""
     cats = parse_categories(args.categories)
-    workload = load_default_workload(cats) if args.workload is None else load_workload(
-        args.workload, categories=cats, strict=args.strict)
+    workload = load_default_workload(cats) if args.workload is None else \
+        load_builtin_workload(args.workload, cats) if args.workload in BUILTIN_WORKLOADS else \
+        load_workload(args.workload, categories=cats, strict=args.strict)
     greedy = [p for p in workload.prompts if p.temperature is None] or workload.prompts
     return Workload(f"{workload.name}-tune", workload.path, round_robin(greedy, args.prompts),
                     workload.skipped, workload.categories)

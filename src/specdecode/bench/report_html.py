@@ -112,6 +112,26 @@ def category_rows(analysis: Analysis) -> list[dict[str, Any]]:
     return rows
 
 
+def structured_rows(analysis: Analysis) -> list[dict[str, Any]]:
+    """One row per (config, batch size) with constrained requests: outputs valid against their
+    constraint, tokens forced (unscored), and the mask time against the request time."""
+    rows = []
+    for s in analysis.configs:
+        st = s.structured
+        if st is None:
+            continue
+        rows.append({"name": s.spec.name, "batch": s.spec.batch_size,
+                     "valid": f"{st.n_valid}/{st.n_constrained}",
+                     "valid_share": _num(st.valid_share * 100, 1),
+                     "valid_class": "pass" if st.n_valid == st.n_constrained else "fail",
+                     "forced": f"{st.forced_tokens}/{st.output_tokens}",
+                     "forced_share": _num(st.forced_share * 100, 1),
+                     "mask": _num(st.mask_s, 3), "request": _num(st.request_s, 2),
+                     "mask_share": _num(st.mask_share * 100, 2),
+                     "mask_per_token": _num(st.mask_per_token_s * 1000, 3)})
+    return rows
+
+
 def _slot(analysis: Analysis, name: str) -> int:
     """A configuration's palette slot: the same colour in every chart of the report."""
     names = list(dict.fromkeys(c.spec.name for c in analysis.configs))
@@ -288,6 +308,7 @@ def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
         "confidence": 0.95, "n_resamples": analysis.n_resamples, "seed": analysis.seed,
         "rec": recommendation, "rec_headline": headline, "rec_vllm": recommendation.vllm_json,
         "summary_rows": summary_rows(analysis), "category_rows": category_rows(analysis),
+        "structured_rows": structured_rows(analysis),
         "latency_figures": latency_figures(analysis),
         "acceptance_figures": acceptance_figures(analysis),
         "speedup_figure": speedup_figure(analysis),

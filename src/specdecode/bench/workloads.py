@@ -253,22 +253,47 @@ def load_workload(
     )
 
 
+# built-in workloads shipped with the package: the name `--workload` takes -> the data file
+BUILTIN_WORKLOADS = {
+    "default": "default_workload.jsonl",
+    "structured": "structured_workload.jsonl",  # JSON-schema prompts, docs/structured-output.md
+}
+
+
+def builtin_workload_path(name: str) -> Path:
+    """The data file of the built-in workload `name` (BUILTIN_WORKLOADS)."""
+    if name not in BUILTIN_WORKLOADS:
+        raise SpecDecodeError(f"unknown built-in workload {name!r} (known: "
+                              f"{', '.join(BUILTIN_WORKLOADS)})")
+    return Path(str(resources.files("specdecode") / "data" / BUILTIN_WORKLOADS[name]))
+
+
 def default_workload_path() -> Path:
     """The built-in default workload shipped with the package."""
-    return Path(str(resources.files("specdecode") / "data" / "default_workload.jsonl"))
+    return builtin_workload_path("default")
+
+
+def load_builtin_workload(
+    name: str, categories: Sequence[str] | None = None, limit_per_category: int | None = None
+) -> Workload:
+    """A built-in workload (BUILTIN_WORKLOADS), filtered; its lines are never skipped."""
+    return load_workload(builtin_workload_path(name), categories=categories,
+                         limit_per_category=limit_per_category, strict=True, name=name)
 
 
 def load_default_workload(
     categories: Sequence[str] | None = None, limit_per_category: int | None = None
 ) -> Workload:
     """The built-in default workload (24 prompts, 6 categories), filtered."""
-    return load_workload(
-        default_workload_path(),
-        categories=categories,
-        limit_per_category=limit_per_category,
-        strict=True,
-        name="default",
-    )
+    return load_builtin_workload("default", categories, limit_per_category)
+
+
+def load_structured_workload(
+    categories: Sequence[str] | None = None, limit_per_category: int | None = None
+) -> Workload:
+    """The built-in structured workload (every prompt with its own JSON schema: extraction,
+    classification into enums, lists of records), filtered."""
+    return load_builtin_workload("structured", categories, limit_per_category)
 
 
 def workload_fingerprint(prompts: Sequence[Prompt]) -> str:

@@ -34,7 +34,9 @@ def add_measurement_args(p: argparse.ArgumentParser) -> None:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """--workload, --categories, --strict (`bench`, `tune`)."""
     p.add_argument("--workload", default=None,
-                   help="JSONL file, Spec-Bench or plain format (default: the built-in one)")
+                   help="JSONL file, Spec-Bench or plain format, or a built-in workload: "
+                        "default (the default) or structured (JSON-schema prompts; a file "
+                        "of either name: ./NAME)")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--strict", action="store_true",
                    help="refuse a workload with a malformed line instead of skipping it")

@@ -59,8 +59,8 @@ def register(sub: Any) -> None:
     add_workload_args(b)
     add_constraint_args(b)
     b.add_argument("--limit-per-category", type=int, default=None,
-                   help=f"first N prompts of each category (built-in workload default: "
-                        f"{DEFAULT_LIMIT_PER_CATEGORY}; a file: all)")
+                   help=f"first N prompts of each category (built-in default workload: "
+                        f"{DEFAULT_LIMIT_PER_CATEGORY}; a file or --workload structured: all)")
     b.add_argument("--configs", default=None,
                    help='e.g. "plain;int8:k=3;ngram:k=4" (default: '
                         'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4)')
