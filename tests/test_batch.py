@@ -152,6 +152,7 @@ def _batched_pairs(target: Any, make_drafter: Any, k: int, n: int) -> Any:
     return counts
 
 
+@pytest.mark.statistical
 def test_sampled_distribution_holds_at_batch_8(models: Any) -> None:  # noqa: F811
     target, draft, other = models
     exact = exact_pairs(target, PARAMS)

@@ -277,6 +277,7 @@ def gof_p_value(counts: Counter[tuple[int, int]], exact: dict[tuple[int, int], f
     return chi_square_gof(observed, probs).p_value
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("k", [0, 2])
 def test_sampled_constrained_speculation_has_the_constrained_target_law(
         models: Any, regex: Constraint, k: int) -> None:
@@ -285,6 +286,7 @@ def test_sampled_constrained_speculation_has_the_constrained_target_law(
     assert gof_p_value(counts, exact_pairs(target, regex)) > FALSE_ALARM
 
 
+@pytest.mark.statistical
 def test_lookup_drafts_outside_the_grammar_are_cut_and_stay_exact(
         models: Any, regex: Constraint) -> None:
     """A lookup (no q) proposes tokens the grammar may forbid; they are cut, and the emitted
@@ -334,6 +336,7 @@ def _no_rollback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Matcher, "commit", keep_path)
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("broken", [_q_unmasked, _p_unmasked, _no_rollback],
                          ids=["mask-on-p-only", "mask-on-q-only", "no-rollback"])
 def test_broken_variants_are_caught(models: Any, regex: Constraint,

@@ -148,6 +148,7 @@ def test_greedy_output_is_plain_decodings_for_every_k(
     assert accepted > 0
 
 
+@pytest.mark.statistical
 def test_sampled_output_is_distributed_as_the_target(tiny: torch.nn.Module, shipped: Path
                                                      ) -> None:
     factory = drafter_factory("distilled", tiny, capacity=16, distilled=str(shipped))
@@ -174,6 +175,7 @@ class FullVocabQ(DraftModelDrafter):
         return Draft(draft.tokens, torch.softmax(logits / params.temperature, dim=-1))
 
 
+@pytest.mark.statistical
 def test_audit_catches_a_drafter_reporting_another_q(tiny: torch.nn.Module, shipped: Path
                                                      ) -> None:
     subset = load_distilled(shipped, tiny)

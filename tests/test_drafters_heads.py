@@ -156,6 +156,7 @@ def first_q(model: torch.nn.Module, heads: FeatureDrafterModel) -> torch.Tensor:
     return draft.q[0].double()
 
 
+@pytest.mark.statistical
 def test_sampled_output_is_distributed_as_the_target(
     tiny: torch.nn.Module, small_heads: FeatureDrafterModel
 ) -> None:
@@ -167,6 +168,7 @@ def test_sampled_output_is_distributed_as_the_target(
     assert 0 < accepted < drafted
 
 
+@pytest.mark.statistical
 def test_audit_catches_a_q_not_restricted_to_the_draft_vocabulary(
     tiny: torch.nn.Module, small_heads: FeatureDrafterModel
 ) -> None:

@@ -97,6 +97,7 @@ def first_token_distribution(p: torch.Tensor, sampled: torch.Tensor, reported: t
     return sampled * accept + rejected * residual
 
 
+@pytest.mark.statistical
 def test_sampled_output_is_distributed_as_the_target(tiny: torch.nn.Module) -> None:
     factory = drafter_factory("layerskip", tiny, capacity=16, layers=TINY_DRAFT_LAYERS)
     assert factory is not None
@@ -105,6 +106,7 @@ def test_sampled_output_is_distributed_as_the_target(tiny: torch.nn.Module) -> N
     assert 0 < accepted < drafted
 
 
+@pytest.mark.statistical
 def test_audit_catches_a_drafter_whose_q_is_not_the_one_it_sampled(tiny: torch.nn.Module) -> None:
     with torch.inference_mode():
         ids = torch.tensor([TINY_PROMPT])

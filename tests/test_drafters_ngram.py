@@ -252,6 +252,7 @@ def test_audit_sample_size_is_moderate() -> None:
     assert 500 < N_AUDIT < 1500
 
 
+@pytest.mark.statistical
 def test_sampled_output_is_distributed_as_the_target(
     tiny_and_prompt: tuple[torch.nn.Module, list[int]],
 ) -> None:
@@ -263,6 +264,7 @@ def test_sampled_output_is_distributed_as_the_target(
     assert 0 < accepted < drafted  # both the accepted and the rejected paths were exercised
 
 
+@pytest.mark.statistical
 def test_audit_catches_an_ngram_drafter_that_reports_a_q(
     tiny_and_prompt: tuple[torch.nn.Module, list[int]],
 ) -> None:

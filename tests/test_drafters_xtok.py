@@ -371,6 +371,7 @@ class ReportsAQ(XtokDrafter):
         return Draft(draft.tokens, torch.full((len(draft.tokens), V), 1.0 / V))
 
 
+@pytest.mark.statistical
 def test_sampled_output_is_distributed_as_the_target(
     target: tuple[Model, Tokenizer],
     permuted_draft: tuple[Model, Tokenizer],
@@ -382,6 +383,7 @@ def test_sampled_output_is_distributed_as_the_target(
     assert 0 < accepted < drafted  # both the accepted and the rejected paths were exercised
 
 
+@pytest.mark.statistical
 def test_audit_catches_an_xtok_drafter_that_reports_a_q(
     target: tuple[Model, Tokenizer],
     permuted_draft: tuple[Model, Tokenizer],

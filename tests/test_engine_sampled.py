@@ -97,6 +97,7 @@ def test_sample_size_is_derived_and_affordable() -> None:
     assert 300 < SAMPLES < 2000
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_model_matches_target_distribution(models: Any, k: int) -> None:
     target, draft, _ = models
@@ -105,6 +106,7 @@ def test_draft_model_matches_target_distribution(models: Any, k: int) -> None:
     assert gof_p_value(counts, exact) > FALSE_ALARM
 
 
+@pytest.mark.statistical
 def test_lookup_then_model_hybrid_matches_target_distribution(models: Any) -> None:
     """A request whose steps are drafted now by lookup (one-hot, q None), now by a draft model
     (q): the choice depends only on the committed context, so every step stays exact. With
@@ -127,6 +129,7 @@ def test_lookup_then_model_hybrid_matches_target_distribution(models: Any) -> No
     assert sum(d.used[0] for d in made) > 20 and sum(d.used[1] for d in made) > 20
 
 
+@pytest.mark.statistical
 def test_plain_sampling_matches_target_distribution(models: Any) -> None:
     target = models[0]
     assert gof_p_value(observed_pairs(target, None, 0, SAMPLES), exact_pairs(target, PARAMS)) \
@@ -146,6 +149,7 @@ def _no_residual(p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor,
     return VerifyResult(k, torch.tensor([*draft.tolist(), int(sample(p[k], generator))]))
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("fault", ["no-residual", *FAULTS])
 def test_broken_variants_are_caught(
     models: Any, fault: str, monkeypatch: pytest.MonkeyPatch

@@ -261,6 +261,7 @@ def test_the_drafter_shares_the_targets_noise(pair: tuple[Any, Any]) -> None:
 INVARIANT = dataclasses.replace(PARAMS, rule="invariant")
 
 
+@pytest.mark.statistical
 def test_plain_and_speculative_seeded_sampling_match_the_target_distribution(
         models: Any) -> None:  # noqa: F811
     target, draft, _ = models
@@ -271,6 +272,7 @@ def test_plain_and_speculative_seeded_sampling_match_the_target_distribution(
     assert spec == plain  # the same seeds: the same pairs
 
 
+@pytest.mark.statistical
 def test_the_pipeline_applied_to_q_only_is_caught(
         models: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Broken variant: the verifier takes the target's raw logits, not the processed ones."""

@@ -200,6 +200,7 @@ def _pairs(target: Any, make: Any, k: int) -> Counter[tuple[int, int]]:
     return counts
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("k", [1, 3])
 def test_sampled_speculation_has_the_target_distribution(tiny: Any, k: int) -> None:
     target, draft = tiny
@@ -207,6 +208,7 @@ def test_sampled_speculation_has_the_target_distribution(tiny: Any, k: int) -> N
     assert gof_p_value(_pairs(target, lambda: DraftModelDrafter(draft), k), exact) > FALSE_ALARM
 
 
+@pytest.mark.statistical
 def test_sampled_broken_verifier_is_rejected(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the verifier without the residual distribution, on this backend."""
     import specdecode.engine as engine
