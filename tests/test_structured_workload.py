@@ -140,6 +140,9 @@ def test_bench_selects_the_structured_workload_by_name() -> None:
     assert len(w.prompts) == Counter(p.category for p in load_structured_workload().prompts)[
         "classification"]  # a built-in name other than the default keeps every prompt
     assert builtin_workload_path("structured").name == "structured_workload.jsonl"
+    default = select_workload("default", None, None, strict=False)  # the same as no --workload
+    assert [p.id for p in default.prompts] == [
+        p.id for p in select_workload(None, None, None, strict=False).prompts]
     with pytest.raises(SpecDecodeError, match="unknown built-in workload"):
         builtin_workload_path("nope")
 

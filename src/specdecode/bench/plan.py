@@ -217,10 +217,10 @@ def parse_categories(text: str | None) -> list[str] | None:
 
 def select_workload(workload: str | None, categories: str | None, limit: int | None,
                     strict: bool) -> Workload:
-    """The --workload file; the built-in default one (one prompt per category unless
-    --limit...); or another built-in one by name (`structured`: every prompt)."""
+    """The --workload file; the built-in default one (None or `default`: one prompt per
+    category unless --limit...); or another built-in one by name (`structured`: every prompt)."""
     cats = parse_categories(categories)
-    if workload is None:
+    if workload in (None, "default"):
         return load_default_workload(cats, limit or DEFAULT_LIMIT_PER_CATEGORY)
     if workload in BUILTIN_WORKLOADS:
         return load_builtin_workload(workload, cats, limit)
@@ -295,7 +295,7 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     workload = constrain_workload(workload, spec_from_namespace(args))
     report_skipped(workload, err)
     cap = args.max_tokens if args.max_tokens is not None else (
-        DEFAULT_MAX_TOKENS_CAP if args.workload is None else None)
+        DEFAULT_MAX_TOKENS_CAP if args.workload in (None, "default") else None)
     out_dir = preflight(args.out or default_out_dir(), args.resume)
     return BenchPlan(workload, grid, out_dir, args.resume, args.seed, cap,
                      progress=not args.quiet, n_resamples=args.resamples)
