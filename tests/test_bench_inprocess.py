@@ -88,6 +88,24 @@ def test_trace_attributes_a_step_of_m_tokens_as_its_time_then_zeros() -> None:
     assert trace.ttft + sum(trace.itl) == pytest.approx(trace.done - trace.start)
 
 
+def test_samples_record_seed_and_rule_and_a_peers_sampler_claims_no_rule() -> None:
+    """A sampled sample carries its seed and rule (the identity audit pairs invariant-rule
+    seeds with plain's); a llama.cpp peer samples with its own sampler, so it records none and
+    is never paired (it would fail an identity it never promised)."""
+    from specdecode.bench.inprocess import Finished, TurnRequest, to_sample
+    from specdecode.counters import Counters
+
+    prompt = Prompt("p", "chat", ("hi",))
+    params = SamplingParams(temperature=0.8, seed=11)
+    trace = RequestTrace(start=0.0)
+    trace.observe(StepOutput([5], "a", "length"), 0.1)
+    done = Finished([5], trace, Counters(), 0, 0, 0)
+    ours = to_sample(ConfigSpec("ngram-k3", "ngram", 3), TurnRequest(prompt, 0, [1], params), done)
+    peer = to_sample(ConfigSpec("gen", "llamacpp-generate", 1), TurnRequest(prompt, 0, [1], params),
+                     done)
+    assert (ours.seed, ours.rule) == (11, "invariant") and peer.rule == ""
+
+
 def _plain_output(m: LoadedModel, ids: list[int], n: int) -> list[int]:
     gen = Generation(m.model, m.tokenizer, ids, SamplingParams(max_tokens=n))
     for _ in gen.run():

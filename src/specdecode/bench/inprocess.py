@@ -202,7 +202,8 @@ def to_sample(config: ConfigSpec, request: TurnRequest, done: Finished) -> Reque
         temperature=request.params.temperature, prefill_s=c.prefill_ns / 1e9,
         alpha_micro=c.alpha_micro, alpha_positions=c.alpha_positions,
         seed=request.params.seed,
-        rule="" if request.params.greedy else request.params.rule,
+        # a peer samples with its own sampler: no rule of ours, so never paired for identity
+        rule="" if request.params.greedy or is_peer(config.drafter) else request.params.rule,
         valid=done.valid, forced=c.forced, mask_s=c.mask_ns / 1e9,
     )
 
