@@ -200,6 +200,15 @@ def _pairs(target: Any, make: Any, k: int) -> Counter[tuple[int, int]]:
     return counts
 
 
+def test_forward_costs_at_batch_8_feed_the_context_in_calls_the_backend_takes(tiny: Any) -> None:
+    """8 rows x 128 tokens of context is more than llama.cpp's 512 positions per call: the
+    calibration (`serve --k auto`, `costs --batches 8`) must feed it in smaller calls."""
+    from specdecode.calibration import forward_costs
+
+    rows = forward_costs(tiny[0], 8, 128, 3, 1)
+    assert [r["k"] for r in rows] == [1, 2, 3] and all(r["median_s"] > 0 for r in rows)
+
+
 @pytest.mark.statistical
 @pytest.mark.parametrize("k", [1, 3])
 def test_sampled_speculation_has_the_target_distribution(tiny: Any, k: int) -> None:
