@@ -200,12 +200,29 @@ def _pairs(target: Any, make: Any, k: int) -> Counter[tuple[int, int]]:
     return counts
 
 
-def test_forward_costs_at_batch_8_feed_the_context_in_calls_the_backend_takes(tiny: Any) -> None:
-    """8 rows x 128 tokens of context is more than llama.cpp's 512 positions per call: the
-    calibration (`serve --k auto`, `costs --batches 8`) must feed it in smaller calls."""
+def test_prompts_of_several_rows_beyond_a_call_are_fed_in_slices(tiny: Any) -> None:
+    """8 rows x 100 tokens is more than llama.cpp's 512 positions per call: the backend feeds
+    such a multi-row prompt in slices of its columns (ragged rows included), and each row then
+    scores as if prefilled alone; the calibration (`serve --k auto`, `costs --batches 8`) feeds
+    its context that way."""
     from specdecode.calibration import forward_costs
 
-    rows = forward_costs(tiny[0], 8, 128, 3, 1)
+    model = tiny[0]
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(VOCAB, (8, 100), generator=gen)
+    news = [100 - 7 * b for b in range(8)]
+    cache = model.new_cache(8, 128)
+    model(tokens, cache, num_new=news, logits_for="none")
+    assert list(cache.lengths) == news
+    nxt = torch.randint(VOCAB, (8, 1), generator=gen)
+    together = model(nxt, cache)[:, 0]
+    for b, n in enumerate(news):
+        alone = model.new_cache(1, 128)
+        model(tokens[b : b + 1, :n], alone, logits_for="none")
+        assert torch.equal(model(nxt[b : b + 1], alone)[0, 0], together[b]), b
+        alone.release()
+    cache.release()  # its 8 sequences, for the calibration's 8 rows
+    rows = forward_costs(model, 8, 128, 3, 1)
     assert [r["k"] for r in rows] == [1, 2, 3] and all(r["median_s"] > 0 for r in rows)
 
 

@@ -21,7 +21,6 @@ from specdecode.control import CostModel
 
 CONTEXT = 128  # tokens of context the run-time calibration measures after
 REPEATS = 2  # round-robin repeats of each width
-PREFILL_POSITIONS = 256  # the context is fed in calls of at most this many positions
 
 
 def quartiles(xs: list[float]) -> tuple[float, float]:
@@ -41,11 +40,9 @@ def forward_costs(model: Any, batch: int, context: int, kmax: int, repeats: int)
     gen = torch.Generator().manual_seed(0)
     vocab = model.cfg.vocab_size
     cache = model.new_cache(batch, context + kmax + 1)
-    chunk = max(1, PREFILL_POSITIONS // batch)  # positions per call, all rows together: the
-    # llama.cpp backend takes at most 512 per call (a batch of 8 x 128 failed)
     with torch.inference_mode():
-        for i in range(0, context, chunk):
-            n = min(chunk, context - i)
+        for i in range(0, context, 256):
+            n = min(256, context - i)
             model(torch.randint(vocab, (batch, n), generator=gen), cache, logits_for="none")
     tokens = [torch.randint(vocab, (batch, k), generator=gen) for k in range(1, kmax + 1)]
 

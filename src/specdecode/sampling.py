@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import MAX_SEED, MIN_SEED, RULES
 
 MIN_TEMPERATURE = 1e-5
-RULES = ("invariant", "residual")  # SamplingParams.rule
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ class SamplingParams:
             raise SpecDecodeError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.rule not in RULES:
             raise SpecDecodeError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise SpecDecodeError(f"seed must be in -2**63..2**64-1, got {self.seed}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise SpecDecodeError(f"seed must be in {MIN_SEED}..{MAX_SEED}, got {self.seed}")
         if any(s == "" for s in self.stop):
             raise SpecDecodeError("stop strings must be non-empty")
         for token, bias in self.logit_bias:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
-from specdecode.limits import K_RANGE, valid_k
+from specdecode.limits import K_RANGE, RULES, valid_k
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -65,11 +65,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="sampling seed (default: a random one, reported by --json): the same "
                         "seed gives the same tokens whatever the drafter, k or batch under "
                         "--rule invariant")
-    p.add_argument("--rule", choices=("invariant", "residual"), default="invariant",
+    add_rule_arg(p)
+
+
+def add_rule_arg(p: argparse.ArgumentParser) -> None:
+    """--rule: how sampled drafts are verified (`generate`, `audit`, `serve`)."""
+    p.add_argument("--rule", choices=RULES, default=RULES[0],
                    help="how sampled drafts are verified: invariant (default; the output is "
-                        "plain decoding's for the seed) or residual (the standard rejection "
-                        "rule: more drafts accepted from a model drafter, tokens depend on "
-                        "what was drafted). docs/design.md")
+                        "plain decoding's for the seed, whatever the drafting, batch or "
+                        "traffic) or residual (the standard rejection rule: more drafts "
+                        "accepted from a weak model drafter, tokens depend on what was "
+                        "drafted). docs/design.md")
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from specdecode.cli.args import add_drafter_args, add_model_args, check_k
+from specdecode.cli.args import add_drafter_args, add_model_args, add_rule_arg, check_k
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
@@ -66,10 +66,7 @@ def register(sub: Any) -> None:
                    help="parse special-token strings (<|im_start|>...) in chat message contents "
                         "as control tokens: only for trusted callers (default: tokenized as "
                         "text, so no user can forge another turn)")
-    p.add_argument("--rule", choices=("invariant", "residual"), default="invariant",
-                   help="how sampled drafts are verified: invariant (default: a request's "
-                        "seed gives the same reply whatever the traffic and drafting) or "
-                        "residual (the standard rejection rule; docs/design.md)")
+    add_rule_arg(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     # a wide step delays every request in the batch, not only the one whose draft widened it:

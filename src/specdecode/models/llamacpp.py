@@ -338,7 +338,14 @@ class LlamaCppModel:
 
     def _chunked(self, tokens: torch.Tensor, cache: LlamaCppCache, news: list[int],
                  wanted: list[int]) -> torch.Tensor:
-        if tokens.shape[0] != 1 or any(w not in (-1, news[0] - 1) for w in wanted):
+        B = tokens.shape[0]
+        if B > 1 and not wanted:  # several rows' prompts: in slices of the columns
+            step = max(1, self._batch_size // B)
+            for s in range(0, max(news), step):
+                self(tokens[:, s:s + step], cache,
+                     num_new=[max(0, min(n, s + step) - s) for n in news], logits_for="none")
+            return torch.zeros(B, 0, 0)
+        if B != 1 or any(w not in (-1, news[0] - 1) for w in wanted):
             raise SpecDecodeError(f"llama.cpp backend: at most {self._batch_size} positions per "
                                   "call with logits, or one row's prompt")
         n = news[0]

@@ -16,11 +16,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from specdecode.limits import MAX_SEED, MIN_SEED
+
 MAX_STOP = 4
 MAX_STOP_CHARS = 512
 MAX_LOGIT_BIAS = 300
-MAX_SEED = 2**64 - 1
-MIN_SEED = -(2**63)
 
 
 
