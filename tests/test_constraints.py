@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import specdecode.sampling as sampling
-from specdecode.audit_stats import chi_square_gof, required_samples
 from specdecode.constraints import (
     Constraint,
     ConstraintSpec,
@@ -39,6 +38,7 @@ from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
 from specdecode.sampling import SamplingParams, probs_from_logits
 from tests.conftest import make_checkpoint
+from tests.test_engine_sampled import FALSE_ALARM, SAMPLES, gof_p_value  # one chi-square setup
 
 llguidance = pytest.importorskip("llguidance")
 
@@ -56,9 +56,6 @@ REGEX = "(c[i-p]|[jk]d|[mn][c-p])[c-p]*"
 # the residual rule: the one whose q handling the broken variants below break (under the
 # invariant rule verification never reads q; its own identity test is below)
 PARAMS = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=2, rule="residual")
-FALSE_ALARM = 1e-4
-CELLS = 40
-SAMPLES = required_samples(0.15, FALSE_ALARM, 0.999, CELLS + 1)
 
 
 def letter_tokenizer() -> Any:
@@ -268,13 +265,6 @@ def observed_pairs(target: Any, make_drafter: Callable[[], Any] | None, k: int,
         out = [*gen.output, -1, -1]
         counts[(out[0], out[1])] += 1
     return counts
-
-
-def gof_p_value(counts: Counter[tuple[int, int]], exact: dict[tuple[int, int], float]) -> float:
-    top = sorted(exact, key=exact.__getitem__, reverse=True)[:CELLS]
-    observed = [counts[c] for c in top] + [sum(counts.values()) - sum(counts[c] for c in top)]
-    probs = [exact[c] for c in top] + [max(0.0, 1.0 - sum(exact[c] for c in top))]
-    return chi_square_gof(observed, probs).p_value
 
 
 @pytest.mark.statistical
