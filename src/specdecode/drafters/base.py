@@ -48,6 +48,17 @@ class Draft:
     # only the prefix expected to pay for its width (engine.fit_width); with a fixed k, or
     # without confidences, every proposed token is verified.
     confidence: tuple[float, ...] | None = None
+    # Optional: a token tree instead of a chain (docs/design.md, "Trees"): parents[i] (int64) is
+    # node i's parent, -1 for a child of the pending token, nodes in topological order
+    # (parents[i] < i); tokens[i] is node i's token, q[i] (if any) what it was drawn from, and
+    # confidence[i] the probability that node i is accepted given that its parent was. The
+    # target scores every node in one pass under a tree mask and the longest accepted path is
+    # committed (verify.verify_tree*). None: a chain (parents -1, 0, 1, ..., k - 2).
+    parents: torch.Tensor | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,9 @@ class DraftRequest:
     # tokens a constraint forced since the last forward (engine.Generation). A drafter drafting
     # in the target's cache (`rounds`) feeds them all before its first draft token.
     unfed: int = 1
+    # Token trees: the most nodes a tree draft may have this step (0: propose a chain). `k`
+    # still caps a tree's depth. Set from the drafter's `max_nodes`.
+    nodes: int = 0
 
     def allowed(self, drafted: list[int]) -> torch.Tensor | None:
         """The constraint's (1, V) mask after context ++ `drafted`, or None: no constraint, or
@@ -131,6 +145,9 @@ class Drafter(abc.ABC):
     cache_model: CacheModel | None = None
     # The engine passes the target's hidden states to `observe` (EAGLE-style heads).
     wants_hidden: bool = False
+    # Token trees: the most nodes this drafter's tree drafts have (Draft.parents); 0: it drafts
+    # chains. The engine reserves cache room for them and refuses larger or malformed trees.
+    max_nodes: int = 0
     # What memory accounting reads: the drafter's own KV cache and the model it runs (None: none).
     cache: Any = None
     model: Any = None
