@@ -28,6 +28,7 @@ logits bit for bit, and commit hands the drafter the hidden rows of the position
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections import deque
@@ -48,18 +49,33 @@ from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
 from specdecode.sampling import (
     PositionNoise,
     SamplingParams,
+    argmax_rows,
     greedy_tokens,
     probs_from_logits,
     process_logits,
     uses_history,
 )
 from specdecode.stopping import StopChecker
+from specdecode.trees import (
+    best_path,
+    chain_confidences,
+    check_tree_draft,
+    cut_depth,
+    keep_best,
+    kept_slots,
+    layout,
+)
 from specdecode.verify import (
+    TreeVerifyResult,
     VerifyResult,
     acceptance_probability,
+    tree_path,
     verify_chain,
     verify_greedy,
     verify_invariant,
+    verify_tree,
+    verify_tree_greedy,
+    verify_tree_invariant,
 )
 
 PREFILL_CHUNK = 256
@@ -111,6 +127,13 @@ class Generation:
         _check_prompt(prompt_ids, params, model.cfg.max_position, k)
         self.model, self.params, self.drafter = model, params, drafter
         self.k = k if drafter is not None else 0
+        # token trees (Draft.parents): scored as trees on a target that can (the native
+        # runner's tree masks), else verified as their most likely path (trees.best_path)
+        self.max_nodes = drafter.max_nodes if drafter is not None and self.k else 0
+        if self.max_nodes and drafter is not None and drafter.wants_hidden:
+            raise SpecDecodeError(f"the {drafter.name} drafter drafts token trees and observes "
+                                  "hidden states: the engine supports one or the other")
+        self.trees = self.max_nodes > 0 and bool(getattr(model, "supports_trees", False))
         self.next_k = self.k  # draft length of the next step; a controller may change it
         self.model_k: int | None = None  # the controller's k for a fits_width drafter's model
         self.category = category
@@ -126,7 +149,7 @@ class Generation:
         self.prompt_len = len(prompt_ids)
         self.context = list(prompt_ids)
         self.output: list[int] = []
-        self.capacity = len(prompt_ids) + params.max_tokens + self.k + 1
+        self.capacity = len(prompt_ids) + params.max_tokens + max(self.k, self.max_nodes) + 1
         self.cache: Any = None
         self.row = 0
         self.counters = Counters(prompt_tokens=len(prompt_ids))
@@ -188,8 +211,9 @@ class Generation:
             self.prefill()
         draft = self.propose()  # 1. propose
         t1 = time.perf_counter_ns()
-        logits, hidden = score(self.model, self.fed(draft)[None], self.cache,
-                               self.wants_hidden)  # 2. score: (1, k+1, V)
+        fed = self.fed(draft)[None]
+        logits, hidden = score(self.model, fed, self.cache, self.wants_hidden,
+                               **tree_inputs([self], [draft], fed.shape[1]))  # 2. score
         self.counters.target_ns += time.perf_counter_ns() - t1
         return self.finish_step(logits[0], draft, None if hidden is None else hidden[0])
 
@@ -211,7 +235,7 @@ class Generation:
             return Draft(_EMPTY, None)
         request = DraftRequest(ids_tensor(self.context), k, self.params, self.prompt_len,
                                self.generator, self.model_k, self.noise, self.position,
-                               self.matcher, self.unfed)
+                               self.matcher, self.unfed, self.max_nodes)
         if self.drafter.cache_model is not None and holds_tensors(self.cache):
             return self.drafter.rounds(request)
         with torch.inference_mode():
@@ -220,9 +244,17 @@ class Generation:
         return draft
 
     def end_draft(self, draft: Draft) -> Draft:
-        """The draft cut to this step's budget, as the verifier takes it."""
+        """The draft cut to this step's budget, as the verifier takes it: a tree is checked
+        (a malformed one is refused), cut to the budget's depth, and taken as its most likely
+        path where it cannot be scored as a tree (a target without tree masks, or a
+        constraint, whose matcher follows one path)."""
+        draft = dataclasses.replace(draft, tokens=draft.tokens.to(torch.long))
+        if draft.parents is not None:
+            name = self.drafter.name if self.drafter is not None else "?"
+            check_tree_draft(draft, self.model.cfg.vocab_size, self.max_nodes, name)
+            if not self.trees or self.matcher is not None:
+                draft = best_path(draft)
         draft = cut(draft, self._draft_budget())
-        draft = Draft(draft.tokens.to(torch.long), draft.q, draft.confidence)
         return draft if self.matcher is None else constrain_draft(draft, self.matcher)
 
     @property
@@ -246,7 +278,10 @@ class Generation:
         result, alphas = self._verify(logits, draft)  # 3. verify
         t3 = time.perf_counter_ns()
         base = len(self.context) - 1
-        self.cache.rollback(self.row, base + 1 + result.num_accepted)  # 4. commit
+        if isinstance(result, TreeVerifyResult):  # 4. commit: the path's KV, compacted
+            self.cache.keep(self.row, base + 1 - self.unfed, kept_slots(self.unfed, result.path))
+        else:  # a chain: move the length back
+            self.cache.rollback(self.row, base + 1 + result.num_accepted)
         committed = result.tokens.tolist()
         if self.drafter is not None:
             if hidden is not None and self.wants_hidden:  # features of the kept positions
@@ -292,8 +327,11 @@ class Generation:
         """The constraint's (k+1, V) masks of this step's rows (after context ++ draft[:t])."""
         return None if self.matcher is None else self.matcher.masks(draft.tokens.tolist())
 
-    def _verify(self, logits: torch.Tensor, draft: Draft) -> tuple[VerifyResult, list[float]]:
+    def _verify(self, logits: torch.Tensor, draft: Draft
+                ) -> tuple[VerifyResult | TreeVerifyResult, list[float]]:
         """Verification plus the per-position alpha samples sum_x min(p, q) it evaluated."""
+        if draft.parents is not None:
+            return self._verify_tree(logits, draft)
         k = len(draft.tokens)
         allowed = self._row_masks(draft)
         if self.params.greedy:  # the context only where penalties read it (uses_history)
@@ -317,6 +355,30 @@ class Generation:
             rows = torch.arange(seen)
             return result, p[rows, draft.tokens[:seen]].tolist()
         return result, acceptance_probability(p[:seen], draft.q[:seen]).tolist()
+
+    def _verify_tree(self, logits: torch.Tensor, draft: Draft
+                     ) -> tuple[TreeVerifyResult, list[float]]:
+        """A tree's verification (greedy, rule "invariant" or rule "residual": verify_tree*), on
+        the (n + 1, V) logits of its root and nodes, each processed after its own path (the
+        penalties count the path's tokens, not the siblings'). Alpha samples: 1 per accepted
+        node, then 0 where the path ended with nodes left below it."""
+        parents, tokens = draft.parents, draft.tokens
+        assert parents is not None
+        x = tree_logits(logits, self.params, ids_tensor(self.context), self.prompt_len, draft)
+        result: TreeVerifyResult
+        if self.params.greedy:
+            result = verify_tree_greedy(argmax_rows(x), parents, tokens)
+        elif self.noise is not None:
+            noise, first, vocab = self.noise, self.position, x.shape[-1]
+            result = verify_tree_invariant(x, parents, tokens,
+                                           lambda d: noise.gumbel(first + d, vocab))
+        else:
+            result = verify_tree(torch.softmax(x, dim=-1), parents, tokens, draft.q,
+                                 self.generator)
+        m = result.num_accepted
+        last = int(result.path[-1]) if m else -1
+        rejected = any(int(p) == last for p in parents.tolist())
+        return result, [1.0] * m + ([0.0] if rejected else [])
 
     def _emit(self, tokens: list[int], end: str | None = None) -> StepOutput:
         """Commit tokens to the context; stop at EOS, max_tokens or a stop string, else with
@@ -533,7 +595,8 @@ class BatchEngine:
         view = rows_view(self.cache, 0, n)
         start = time.perf_counter_ns()
         want = any(g.wants_hidden for g in self.active)
-        logits, hidden = score(self.model, tokens, view, want, num_new=[len(f) for f in fed])
+        logits, hidden = score(self.model, tokens, view, want, num_new=[len(f) for f in fed],
+                               **tree_inputs(self.active, drafts, width))
         elapsed = time.perf_counter_ns() - start
         self.cache.lengths[:n] = view.lengths
         for gen in self.active:
@@ -626,19 +689,63 @@ def fit_width(drafts: list[Draft], costs: CostModel, max_width: int | None = Non
     the measured t(B, T)), and to `max_width` (the controller's tail-latency cap); drafts without
     confidences are kept whole, setting the least width."""
     if max_width is not None:
-        drafts = [cut(d, max_width - 1) if d.confidence is not None else d for d in drafts]
+        drafts = [shrink(d, max_width - 1) if d.confidence is not None else d for d in drafts]
     if all(d.confidence is None for d in drafts):
         return drafts
     kept = [len(d.tokens) for d in drafts if d.confidence is None]
-    width = best_width([d.confidence for d in drafts if d.confidence is not None],
+    width = best_width([chain_confidences(d) if d.parents is not None else d.confidence
+                        for d in drafts if d.confidence is not None],
                        lambda t: costs.target(len(drafts), t),
                        floor=max(kept, default=0) + 1,
                        fixed_tokens=float(sum(k + 1 for k in kept)))
-    return [d if d.confidence is None else cut(d, width - 1) for d in drafts]
+    return [d if d.confidence is None else shrink(d, width - 1) for d in drafts]
+
+
+def shrink(draft: Draft, nodes: int) -> Draft:
+    """The draft's `nodes` tokens that pay first: a chain's first ones, a tree's most likely
+    accepted ones (trees.keep_best: the same expected gain best_width weighed)."""
+    if draft.parents is not None:
+        return keep_best(draft, nodes) if len(draft.tokens) > nodes else draft
+    return cut(draft, nodes)
+
+
+def tree_inputs(gens: list[Generation], drafts: list[Draft], width: int
+                ) -> dict[str, torch.Tensor]:
+    """The runner's `positions` (B, width) and `tree_mask` (B, width, width) for a forward
+    in which some row scores a tree (trees.layout; the other rows causal), or {} if none does."""
+    if all(d.parents is None for d in drafts):
+        return {}
+    positions, masks = [], []
+    for gen, draft in zip(gens, drafts, strict=True):
+        parents = draft.parents if draft.parents is not None else _EMPTY
+        offsets, block = layout(parents, gen.unfed, width)
+        positions.append(offsets + gen.cache.lengths[gen.row])
+        masks.append(block)
+    return {"positions": torch.stack(positions), "tree_mask": torch.stack(masks)}
+
+
+def tree_logits(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor,
+                prompt_len: int, draft: Draft) -> torch.Tensor:
+    """The processed logits (n + 1, V) of a tree's root and nodes: row i + 1 after node i's
+    path. Where penalties read the history, each row is processed after its own path;
+    otherwise all at once."""
+    assert draft.parents is not None
+    n = int(draft.tokens.numel())
+    if not uses_history(params):
+        return process_logits(logits, params, context, prompt_len, draft.tokens)
+    rows = [process_logits(logits[:1], params, context, prompt_len, _EMPTY)]
+    for i in range(n):
+        path = draft.tokens[tree_path(draft.parents, i)]
+        rows.append(process_logits(logits[i + 1:i + 2], params, torch.cat([context, path]),
+                                   prompt_len, _EMPTY))
+    return torch.cat(rows)
 
 
 def cut(draft: Draft, k: int) -> Draft:
-    """The draft's first k tokens (with their q and confidences)."""
+    """The draft's first k tokens (with their q and confidences); a tree's nodes of depth at
+    most k."""
+    if draft.parents is not None:
+        return cut_depth(draft, k)
     if len(draft.tokens) <= k:
         return draft
     return Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k],

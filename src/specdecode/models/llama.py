@@ -172,6 +172,7 @@ class LlamaModel(nn.Module):
     unless the model came from `with_precision`."""
 
     backend = "native"
+    supports_trees = True  # explicit positions and tree masks (engine: token-tree drafts)
     precision = "fp32"
 
     def __init__(self, cfg: ModelConfig) -> None:
