@@ -15,6 +15,7 @@ import torch
 
 import specdecode.engine as engine
 from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import BatchEngine, Generation, fit_width, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import KVCache
@@ -352,3 +353,57 @@ def test_invariant_rule_tree_is_plain_seeded_output(models: Any, params: Samplin
             pass
         same += gen.output == expected
     assert same == 6
+
+
+class Branches(DraftModelDrafter):
+    """A draft model with sibling leaves, counting the drafts that branched."""
+
+    def __init__(self, model: Any, in_cache: bool = False) -> None:
+        super().__init__(model, "draft-model", 256, in_cache=in_cache, siblings=True,
+                         sibling_range=(0.0, 0.6))  # the tiny models are near uniform
+        self.branched = 0
+
+    def observe_result(self, draft: Draft, num_accepted: int, committed: list[int]) -> None:
+        self.branched += draft.parents is not None
+
+
+def test_draft_model_sibling_leaves_are_token_identical(models: Any) -> None:
+    """Greedy: a draft model proposing its second choice beside every token it is unsure of,
+    drafting in its own cache (batch 1) and in the target's (a batch's rows, one forward per
+    draft position), is plain greedy decoding token for token; branching really occurred."""
+    target, draft = models[0], models[1]
+    params = SamplingParams(max_tokens=TOKENS)
+    expected = [plain_output(target, p, params) for p in PROMPTS]
+    made = []
+    for prompt, plain in zip(PROMPTS, expected, strict=True):
+        made.append(Branches(draft))
+        gen = Generation(target, None, prompt, params, made[-1], 4)
+        for _ in gen.run():
+            pass
+        assert gen.output == plain
+    in_cache = [Branches(target, in_cache=True) for _ in PROMPTS]
+    gens = [Generation(target, None, p, params, d, 3)
+            for p, d in zip(PROMPTS, in_cache, strict=True)]
+    run_batch(BatchEngine(target, 3, 64), gens)
+    assert [g.output for g in gens] == expected
+    assert sum(d.branched for d in made) > 5 and sum(d.branched for d in in_cache) > 0
+
+
+@pytest.mark.statistical
+def test_draft_model_sibling_leaves_match_target_distribution(models: Any) -> None:
+    target, draft = models[2], models[3]
+    counts = tree_pairs(target, lambda: Branches(draft), 2, SAMPLES)
+    assert gof_p_value(counts, exact_pairs(target, PARAMS)) > FALSE_ALARM
+
+
+def test_draft_model_sibling_leaves_invariant_rule_is_plain_seeded(models: Any) -> None:
+    target, draft = models[0], models[1]
+    params = SamplingParams(temperature=0.9, max_tokens=TOKENS)
+    for seed in range(4):
+        p = dataclasses.replace(params, seed=seed)
+        expected = plain_output(target, PROMPTS[seed % 3], p)
+        drafter = Branches(draft)
+        gen = Generation(target, None, PROMPTS[seed % 3], p, drafter, 3)
+        for _ in gen.run():
+            pass
+        assert gen.output == expected

@@ -129,7 +129,7 @@ class Generation:
         self.k = k if drafter is not None else 0
         # token trees (Draft.parents): scored as trees on a target that can (the native
         # runner's tree masks), else verified as their most likely path (trees.best_path)
-        self.max_nodes = drafter.max_nodes if drafter is not None and self.k else 0
+        self.max_nodes = drafter.tree_nodes(self.k) if drafter is not None and self.k else 0
         if self.max_nodes and drafter is not None and drafter.wants_hidden:
             raise SpecDecodeError(f"the {drafter.name} drafter drafts token trees and observes "
                                   "hidden states: the engine supports one or the other")

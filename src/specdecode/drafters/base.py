@@ -178,6 +178,12 @@ class Drafter(abc.ABC):
         return self.propose(request)
         yield  # a generator function  # pragma: no cover
 
+    def tree_nodes(self, k: int) -> int:
+        """The most nodes this drafter's tree drafts have when they are at most k deep (0: it
+        drafts chains): the node budget the engine reserves cache room for and holds it to.
+        Default: `max_nodes`."""
+        return self.max_nodes
+
     def observe(self, hidden: torch.Tensor, start: int) -> None:
         """With `wants_hidden`: the target's hidden states after its final norm, (n, H), for
         context positions start..start+n-1: the prompt as it is prefilled, then after each step

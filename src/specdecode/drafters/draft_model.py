@@ -29,6 +29,16 @@ import torch
 
 from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest, Rounds, draw, ids_tensor
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import MAX_K
+from specdecode.sampling import process_logits, sample
+from specdecode.verify import without_replacement
+
+# Sibling leaves (`siblings=True`, a token tree; EAGLE-2's idea of branching where the draft is
+# unsure, Li et al. 2024, cut to one extra leaf per position, which costs no extra draft
+# forward): where the draft gives its own token less than SIBLING_BELOW, its next choice is
+# proposed beside it, if the draft gives that one at least SIBLING_MIN.
+SIBLING_BELOW = 0.6
+SIBLING_MIN = 0.1
 
 
 def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
@@ -47,8 +57,13 @@ class DraftModelDrafter(Drafter):
     target's."""
 
     def __init__(self, model: Any, name: str = "draft-model", capacity: int = 4096,
-                 in_cache: bool = False) -> None:
+                 in_cache: bool = False, siblings: bool = False,
+                 sibling_range: tuple[float, float] = (SIBLING_MIN, SIBLING_BELOW)) -> None:
         self.name = name
+        self.siblings = siblings
+        self.sibling_range = sibling_range  # (least probability of a sibling, most of its
+        # draft token)
+        self.max_nodes = 2 * MAX_K if siblings else 0
         self.model = model
         self.capacity = capacity
         # with in_cache (a copy of the target's layout), engines draft it in the target's cache
@@ -59,6 +74,9 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.cache, self.fed = None, []
+
+    def tree_nodes(self, k: int) -> int:
+        return 2 * k if self.siblings else 0  # a draft token and a sibling per position
 
     def copy_state_from(self, other: DraftModelDrafter) -> None:
         """Start from another drafter's cache of the same model (e.g. a prefilled prompt)."""
@@ -137,14 +155,63 @@ class DraftModelDrafter(Drafter):
         history = request.context.tolist()
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
+        tree: list[tuple[int, int, torch.Tensor | None]] = []  # (parent, token, q) per node
+        branch = self.siblings and request.nodes > 0 and request.constraint is None
+        main = -1  # the node of the last draft token (a sibling leaf follows it)
         for fed in history[len(history) - request.unfed:]:  # the pending token (and any forced)
             logits = yield fed
         for i in range(k):
-            tok, q = draw(logits.view(1, -1), request, ids_tensor(history + tokens), i,
-                          request.allowed(tokens))
+            row, context = logits.view(1, -1), ids_tensor(history + tokens)
+            tok, q = draw(row, request, context, i, request.allowed(tokens))
+            if branch:
+                parent, main = main, len(tree)
+                tree.append((parent, tok, q))
+                extra = sibling(row, request, context, i, tok, q, self.sibling_range)
+                if extra is not None and len(tree) < request.nodes:
+                    tree.append((parent, *extra))
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:
                 logits = yield tok
+        if tree:
+            return tree_draft(tree)
         q_all = torch.stack(qs) if qs else None
         return Draft(torch.tensor(tokens, dtype=torch.long), q_all)
+
+
+
+def sibling(row: torch.Tensor, request: DraftRequest, history: torch.Tensor, i: int, token: int,
+            q: torch.Tensor | None, bounds: tuple[float, float] = (SIBLING_MIN, SIBLING_BELOW)
+            ) -> tuple[int, torch.Tensor | None] | None:
+    """The draft's next choice beside `token` (its draft token i, drawn from q) where the draft
+    is unsure of it (it gives `token` less than bounds[1]), with the q it was drawn from; None
+    where it is sure or has no second choice worth verifying (given less than bounds[0]).
+    Greedy: the second most likely token. Rule "invariant": the second largest of the
+    position's noisy logits (the verifier never reads q). Rule "residual": drawn from q without
+    `token` (verify.without_replacement), as verify_tree requires of siblings."""
+    params = request.params
+    x = process_logits(row, params, history, request.prompt_len, EMPTY)[0]
+    probs = q if q is not None else torch.softmax(x, dim=-1)
+    least, below = bounds
+    if float(probs[token]) >= below or 1.0 - float(probs[token]) < least:
+        return None
+    if q is not None and request.noise is None:
+        rest = without_replacement(q, [token])
+        return int(sample(rest, request.generator)), rest
+    scores = x.clone()
+    if request.noise is not None:
+        scores += request.noise.gumbel(request.position + i, x.shape[-1])
+    scores[token] = float("-inf")
+    other = int(scores.argmax())
+    if float(probs[other]) < least:
+        return None
+    return other, q
+
+
+def tree_draft(tree: list[tuple[int, int, torch.Tensor | None]]) -> Draft:
+    """A Draft of (parent, token, q) nodes in topological order."""
+    parents = torch.tensor([p for p, _, _ in tree], dtype=torch.long)
+    tokens = torch.tensor([t for _, t, _ in tree], dtype=torch.long)
+    qs = [q for _, _, q in tree if q is not None]
+    q_all = torch.stack(qs) if len(qs) == len(tree) else None
+    return Draft(tokens, q_all, None, parents)
