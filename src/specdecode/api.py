@@ -266,11 +266,14 @@ class Specdecode:
               audit_samples: int | None = None, out_dir: str | Path | None = None,
               resume: bool = False, seed: int = 0, resamples: int | None = None,
               chat_template: bool = True, strict: bool = False, progress: bool = False,
-              out: TextIO | None = None, err: TextIO | None = None) -> Any:
+              specbench: str | Path | None = None, out: TextIO | None = None,
+              err: TextIO | None = None) -> Any:
         """Run `specdecode bench` on this model; returns its BenchOutcome (report paths,
         analysis, recommendation, summary text).
 
-        workload: a JSONL file (Spec-Bench or plain format; None: the built-in workload).
+        workload: a JSONL file (Spec-Bench or plain format; None: the built-in workload), or a
+        built-in workload's name ("structured", "repetitive": from `specbench`, a Spec-Bench
+        question.jsonl, when given).
         configs: as `--configs`, e.g. "plain;ngram+w4a16:k=3" (None: the command's default).
         The other arguments are the command's flags; `out` receives the summary (default
         sys.stdout), `err` the warnings (default sys.stderr). Results go to `out_dir` (default
@@ -284,7 +287,7 @@ class Specdecode:
         sizes = list(batch_sizes) if not isinstance(batch_sizes, int) else [batch_sizes]
         if not sizes or any(isinstance(b, bool) or not isinstance(b, int) for b in sizes):
             raise SpecDecodeError(f"batch_sizes must be integers >= 1, got {batch_sizes!r}")
-        args.workload = _path(workload)
+        args.workload, args.specbench = _path(workload), _path(specbench)
         args.configs = configs
         args.model, args.backend = self.model_spec, self.backend
         args.precision = self.loaded.precision

@@ -31,10 +31,12 @@ from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec
 from specdecode.bench.workloads import (
     BUILTIN_WORKLOADS,
+    REPETITIVE_WORKLOAD,
     Prompt,
     Workload,
     load_builtin_workload,
     load_default_workload,
+    load_repetitive_workload,
     load_workload,
 )
 from specdecode.constraints import spec_from_namespace
@@ -216,10 +218,16 @@ def parse_categories(text: str | None) -> list[str] | None:
 
 
 def select_workload(workload: str | None, categories: str | None, limit: int | None,
-                    strict: bool) -> Workload:
+                    strict: bool, specbench: str | None = None, seed: int = 0) -> Workload:
     """The --workload file; the built-in default one (None or `default`: one prompt per
-    category unless --limit...); or another built-in one by name (`structured`: every prompt)."""
+    category unless --limit...); another built-in one by name (`structured`: every prompt); or
+    the repetitive one (from --specbench when given; its order drawn with --seed)."""
     cats = parse_categories(categories)
+    if specbench is not None and workload != REPETITIVE_WORKLOAD:
+        raise SpecDecodeError(f"--specbench builds --workload {REPETITIVE_WORKLOAD}; to run a "
+                              "Spec-Bench file as it is, pass it as --workload FILE")
+    if workload == REPETITIVE_WORKLOAD:
+        return load_repetitive_workload(specbench, cats, limit, seed=seed, strict=strict)
     if workload in (None, "default"):
         return load_default_workload(cats, limit or DEFAULT_LIMIT_PER_CATEGORY)
     if workload in BUILTIN_WORKLOADS:
@@ -291,7 +299,7 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     grid = config_grid(configs, batch_sizes)
     validate_configs(grid)
     workload = select_workload(args.workload, args.categories, args.limit_per_category,
-                               args.strict)
+                               args.strict, getattr(args, "specbench", None), args.seed)
     workload = constrain_workload(workload, spec_from_namespace(args))
     report_skipped(workload, err)
     cap = args.max_tokens if args.max_tokens is not None else (
@@ -439,9 +447,16 @@ def round_robin(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
 def tune_workload(args: argparse.Namespace) -> Workload:
     """--prompts greedy prompts, spread over the categories (default: the built-in workload)."""
     cats = parse_categories(args.categories)
-    workload = load_default_workload(cats) if args.workload is None else \
-        load_builtin_workload(args.workload, cats) if args.workload in BUILTIN_WORKLOADS else \
-        load_workload(args.workload, categories=cats, strict=args.strict)
+    specbench = getattr(args, "specbench", None)
+    if args.workload == REPETITIVE_WORKLOAD or specbench is not None:
+        workload = select_workload(args.workload, args.categories, None, args.strict, specbench,
+                                   args.seed)
+    elif args.workload is None:
+        workload = load_default_workload(cats)
+    elif args.workload in BUILTIN_WORKLOADS:
+        workload = load_builtin_workload(args.workload, cats)
+    else:
+        workload = load_workload(args.workload, categories=cats, strict=args.strict)
     greedy = [p for p in workload.prompts if p.temperature is None] or workload.prompts
     return Workload(f"{workload.name}-tune", workload.path, round_robin(greedy, args.prompts),
                     workload.skipped, workload.categories)

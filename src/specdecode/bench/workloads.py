@@ -8,10 +8,16 @@ Two line formats, detected per line:
 - plain: `{"prompt": str | [str, ...], "category"?: str, "id"?: str, "max_tokens"?: int,
   "temperature"?: float}`; without "id" a prompt is named `<file stem>-<line number>`.
 
-Both formats accept optional "max_tokens" and "temperature", and at most one structured-output
+Both formats accept optional "max_tokens" and "temperature", at most one structured-output
 constraint (docs/structured-output.md): "json_schema" (a schema object), "regex" or "grammar"
-(Lark or GBNF text). Blank lines are ignored. A malformed
+(Lark or GBNF text), and "repeat_group" (a non-empty string: requests about the same document,
+which the report follows from cold to warm). Blank lines are ignored. A malformed
 line is reported as `path:line: reason` and skipped, or refused in strict mode.
+
+The repetitive workload (`build_repetitive`, `--workload repetitive`) is built from summarization,
+RAG and coding prompts (Spec-Bench's, or the small built-in set in repetitive_source.jsonl): each
+document is asked about again with other instructions, and the requests of one document are
+spread over the run (see `spread_order`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -50,6 +57,9 @@ class Prompt:
     source: str = ""
     # structured output: constraints.ConstraintSpec.to_dict() (kind, text, origin), or None
     constraint: dict[str, str] | None = None
+    # the document this request is about, shared by the requests that ask about it again
+    # (None: a request of its own); the report compares a group's first request with its repeats
+    repeat_group: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +139,17 @@ def parse_prompt(obj: object, default_id: str, source: str) -> Prompt:
         temperature=_opt_temperature(obj),
         source=source,
         constraint=_constraint(obj),
+        repeat_group=_opt_group(obj),
     )
+
+
+def _opt_group(obj: dict[str, Any]) -> str | None:
+    value = obj.get("repeat_group")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise MalformedLine(f'"repeat_group" must be a non-empty string, got {value!r}')
+    return value
 
 
 CONSTRAINT_KEYS = ("json_schema", "regex", "grammar")
@@ -303,6 +323,8 @@ def workload_fingerprint(prompts: Sequence[Prompt]) -> str:
         item: list[Any] = [p.id, p.category, p.turns, p.max_tokens, p.temperature]
         if p.constraint is not None:  # (prompts without one keep their fingerprints)
             item.append([p.constraint["kind"], p.constraint["text"]])
+        if p.repeat_group is not None:  # (the same: old runs' fingerprints are unchanged)
+            item.append({"repeat_group": p.repeat_group})
         digest.update(json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n")
     return digest.hexdigest()
 
@@ -322,6 +344,7 @@ def describe_workload(workload: Workload) -> dict[str, Any]:
         "categories": workload.categories,
         "limit_per_category": workload.limit_per_category,
         "n_skipped_lines": len(workload.skipped),
+        "n_repeat_groups": len({p.repeat_group for p in workload.prompts if p.repeat_group}),
         "prompts": [p.to_dict() for p in workload.prompts],
     }
 
@@ -331,4 +354,181 @@ def prompts_from_description(description: dict[str, Any]) -> list[Prompt]:
     out: list[Prompt] = []
     for item in description.get("prompts", []):
         out.append(Prompt(**{k: item[k] for k in Prompt.__dataclass_fields__ if k in item}))
+    return out
+
+
+# -------------------------------------------------------------------------- repetitive workload
+
+REPETITIVE_WORKLOAD = "repetitive"  # the name `--workload` takes
+REPETITIVE_SOURCE = "repetitive_source.jsonl"  # the built-in documents (this project's own text)
+REPETITIVE_CATEGORIES = ("summarization", "rag", "coding")
+DEFAULT_REPETITIVE_DOCUMENTS = 4  # from a Spec-Bench file: documents per category by default
+DEFAULT_FOLLOW_UPS = 2  # requests after the first about each document
+# Two requests of one document are at least this many places apart in the run where the other
+# documents allow it, so that at batch sizes up to 8 a repeat never shares a batch with an
+# earlier request of its document (a store only holds requests that have finished).
+DEFAULT_MIN_GAP = 8
+
+# The later requests about a document: other instructions over the same text (summarization,
+# RAG) and edits of the same program (coding). Fixed, so the workload is the same everywhere.
+FOLLOW_UPS: dict[str, tuple[str, ...]] = {
+    "summarization": (
+        "List the three main points of the text above.",
+        "Answer in one sentence: what is the text above about?",
+        "Which people, places and organisations does the text above name? Answer as a list.",
+    ),
+    "rag": (
+        "Answer in one sentence: what is the text above about?",
+        "Quote the sentence of the text above that says the most about its main subject.",
+        "List the names, dates and numbers that the text above mentions.",
+    ),
+    "coding": (
+        "Add type hints and a docstring to every function.",
+        "Add a check that rejects invalid input with a clear error message.",
+        "Rename the variables to descriptive names and add a comment above each block.",
+    ),
+}
+CODE_EDIT = ("{task}\n\nA program for the request above was written earlier. Write the whole "
+             "program again with this change: {edit}")
+
+
+def _document(source: Prompt) -> str:
+    """The text a summarization or RAG prompt is about, without its instruction or question
+    (Spec-Bench: "Summarize: TEXT"; RAG: the passages, then the question on the last line)."""
+    text = source.turns[0]
+    if source.category == "summarization":
+        return text.removeprefix("Summarize:").strip()
+    passages, newline, _question = text.rpartition("\n")
+    return passages if newline and passages.strip() else text
+
+
+def follow_up(source: Prompt, instruction: str) -> str:
+    """A later request about `source`'s document: the same text (summarization, RAG) with
+    another instruction, or (coding) the first request as context and a change to make."""
+    if source.category == "coding":
+        return CODE_EDIT.format(task=source.turns[0], edit=instruction)
+    return f"{_document(source)}\n\n{instruction}"
+
+
+def spread_order(groups: Sequence[Sequence[Prompt]], seed: int = 0,
+                 min_gap: int = DEFAULT_MIN_GAP) -> list[Prompt]:
+    """Every group's requests in one run, each group's in its own order, spread over the run.
+
+    Place by place, a group is drawn among those whose previous request is at least `min_gap`
+    places back (or that have not started), with probability proportional to the requests it
+    has left, from `random.Random(seed)` (integer draws only, so the order is the same on every
+    platform and Python version); when no group is ready (near the end), the one ready soonest
+    goes, closer than `min_gap`. New documents thus keep arriving through the run while the
+    earlier ones come back: acceptance by position shows the store filling up, first against
+    repeat requests shows what one document's history is worth.
+    """
+    rng = random.Random(seed)
+    taken = [0] * len(groups)
+    ready_at = [0] * len(groups)
+    order: list[Prompt] = []
+    for place in range(sum(len(g) for g in groups)):
+        left = [g for g in range(len(groups)) if taken[g] < len(groups[g])]
+        ready = [g for g in left if ready_at[g] <= place]
+        if ready:
+            draw = rng.randrange(sum(len(groups[g]) - taken[g] for g in ready))
+            for chosen in ready:
+                draw -= len(groups[chosen]) - taken[chosen]
+                if draw < 0:
+                    break
+        else:
+            chosen = min(left, key=lambda g: (ready_at[g], g))
+        order.append(groups[chosen][taken[chosen]])
+        taken[chosen] += 1
+        ready_at[chosen] = place + min_gap
+    return order
+
+
+def build_repetitive(sources: Sequence[Prompt], *, follow_ups: int = DEFAULT_FOLLOW_UPS,
+                     seed: int = 0, min_gap: int = DEFAULT_MIN_GAP) -> list[Prompt]:
+    """The repetitive workload's requests from summarization, RAG and coding `sources`.
+
+    Each source is a group (`repeat_group` = its id): first the source itself as written (id
+    `ID-r0`; a Spec-Bench coding conversation keeps its own follow-up turn: a multi-turn code
+    edit), then `follow_ups` single-turn requests `ID-r1`, ... about the same document, their
+    instructions taken in turn from FOLLOW_UPS so neighbouring documents get different pairs.
+    Each keeps its source's category, max_tokens and temperature. The groups are interleaved by
+    `spread_order(seed, min_gap)`.
+    """
+    if not 1 <= follow_ups <= min(len(v) for v in FOLLOW_UPS.values()):
+        raise SpecDecodeError(f"follow-ups per document must be in 1..3, got {follow_ups}")
+    groups: list[list[Prompt]] = []
+    seen: dict[str, int] = {}
+    for source in sources:
+        if source.category not in FOLLOW_UPS:
+            raise SpecDecodeError(f"prompt {source.id}: the repetitive workload is built from "
+                                  f"{', '.join(REPETITIVE_CATEGORIES)} prompts, not "
+                                  f"{source.category!r}")
+        nth = seen.get(source.category, 0)
+        seen[source.category] = nth + 1
+        instructions = FOLLOW_UPS[source.category]
+        group = [Prompt(id=f"{source.id}-r0", category=source.category, turns=list(source.turns),
+                        max_tokens=source.max_tokens, temperature=source.temperature,
+                        source=source.source, constraint=source.constraint,
+                        repeat_group=source.id)]
+        for j in range(1, follow_ups + 1):
+            instruction = instructions[(nth + j - 1) % len(instructions)]
+            group.append(Prompt(id=f"{source.id}-r{j}", category=source.category,
+                                turns=[follow_up(source, instruction)],
+                                max_tokens=source.max_tokens, temperature=source.temperature,
+                                source=f"{source.source} (follow-up {j})",
+                                repeat_group=source.id))
+        groups.append(group)
+    return spread_order(groups, seed, min_gap)
+
+
+def load_repetitive_workload(
+    specbench: str | Path | None = None, categories: Sequence[str] | None = None,
+    limit_per_category: int | None = None, *, seed: int = 0, strict: bool = False,
+) -> Workload:
+    """The repetitive workload: from a Spec-Bench file's summarization, RAG and coding prompts
+    (the first DEFAULT_REPETITIVE_DOCUMENTS of each unless `limit_per_category`), or without
+    one from the built-in documents (3 summarization, 3 RAG, 2 coding: 24 requests); `seed`
+    draws the order (`spread_order`). Categories and the limit select documents, each of which
+    gives 1 + DEFAULT_FOLLOW_UPS requests."""
+    if specbench is None:
+        path = Path(str(resources.files("specdecode") / "data" / REPETITIVE_SOURCE))
+        name, strict = REPETITIVE_WORKLOAD, True
+    else:
+        path, name = Path(specbench), f"{REPETITIVE_WORKLOAD}-specbench"
+        if limit_per_category is None:
+            limit_per_category = DEFAULT_REPETITIVE_DOCUMENTS
+    prompts, skipped = read_prompts(path, strict=strict)
+    sources = [p for p in prompts if p.category in REPETITIVE_CATEGORIES]
+    if not sources:
+        raise SpecDecodeError(f"{path} holds no {', '.join(REPETITIVE_CATEGORIES)} prompts to "
+                              "build the repetitive workload from")
+    selected = filter_prompts(sources, categories, limit_per_category)
+    if not selected:
+        raise SpecDecodeError(f"no prompts of {path} were selected")
+    return Workload(name=name, path=str(path), prompts=build_repetitive(selected, seed=seed),
+                    skipped=skipped,
+                    categories=list(categories) if categories is not None else None,
+                    limit_per_category=limit_per_category)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """Where a prompt comes in a run: its place in the workload's order (0-based), its repeat
+    group ("" for a prompt of its own) and how many of its group's prompts come before it."""
+
+    index: int
+    repeat_group: str
+    repeat_index: int
+
+
+def arrivals(prompts: Sequence[Prompt]) -> dict[str, Arrival]:
+    """Each prompt's Arrival, by id."""
+    out: dict[str, Arrival] = {}
+    before: dict[str, int] = {}
+    for index, p in enumerate(prompts):
+        group = p.repeat_group or ""
+        nth = before.get(group, 0) if group else 0
+        if group:
+            before[group] = nth + 1
+        out[p.id] = Arrival(index, group, nth)
     return out

@@ -32,11 +32,16 @@ def add_measurement_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """--workload, --categories, --strict (`bench`, `tune`)."""
+    """--workload, --specbench, --categories, --strict (`bench`, `tune`)."""
     p.add_argument("--workload", default=None,
                    help="JSONL file, Spec-Bench or plain format, or a built-in workload: "
-                        "default (the default) or structured (JSON-schema prompts; a file "
-                        "of either name: ./NAME)")
+                        "default (the default), structured (JSON-schema prompts) or "
+                        "repetitive (documents asked about again, spread over the run; from "
+                        "--specbench when given) (a file of any of these names: ./NAME)")
+    p.add_argument("--specbench", default=None, metavar="FILE",
+                   help="--workload repetitive: build it from this Spec-Bench question.jsonl "
+                        "(its summarization, rag and coding prompts) instead of the built-in "
+                        "documents")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--strict", action="store_true",
                    help="refuse a workload with a malformed line instead of skipping it")

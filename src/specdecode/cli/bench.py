@@ -15,6 +15,7 @@ from specdecode.bench.plan import (
     DEFAULT_MAX_TOKENS_CAP,
     DEFAULT_RUNNER_MAX_TOKENS,
 )
+from specdecode.bench.workloads import DEFAULT_REPETITIVE_DOCUMENTS
 from specdecode.cli.args import (
     add_constraint_args,
     add_measurement_args,
@@ -60,7 +61,9 @@ def register(sub: Any) -> None:
     add_constraint_args(b)
     b.add_argument("--limit-per-category", type=int, default=None,
                    help=f"first N prompts of each category (built-in default workload: "
-                        f"{DEFAULT_LIMIT_PER_CATEGORY}; a file or --workload structured: all)")
+                        f"{DEFAULT_LIMIT_PER_CATEGORY}; a file or --workload structured: all; "
+                        f"--workload repetitive: documents per category, default "
+                        f"{DEFAULT_REPETITIVE_DOCUMENTS} from --specbench, all built-in ones)")
     b.add_argument("--configs", default=None,
                    help='e.g. "plain;int8:k=3;ngram:k=4" (default: '
                         'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4)')
