@@ -249,9 +249,11 @@ class SuffixTrie:
 
 @dataclass(frozen=True)
 class Match:
-    """Where one source matched the context: its trie, the matched suffix's node and length."""
+    """Where one source matched the context: its trie and root, the matched suffix's node and
+    length."""
 
     trie: SuffixTrie
+    root: int
     node: int
     length: int
 
@@ -267,80 +269,107 @@ class CandidateTree:
     confidence: list[float]
 
 
-# A candidate node in the heap: (-path probability, tie-break, parent index, depth, token,
-# confidence, per source: its trie node or NONE, per source: its share of the path probability)
-_Entry = tuple[float, int, int, int, int, float, tuple[int, ...], tuple[float, ...]]
+@dataclass(frozen=True)
+class _Grow:
+    """What growing one tree reads: the sources, the context's last tokens (re-matching looks
+    at no more), the longest re-match, and the limits."""
+
+    matches: Sequence[Match]
+    tail: list[int]
+    max_match: int
+    width: int
+    min_probability: float
 
 
-def candidate_tree(matches: Sequence[Match], nodes: int, depth: int, width: int = 0,
-                   min_probability: float = 0.0) -> CandidateTree:
-    """The tree of continuations after the matched suffixes, grown best-first by path
-    probability (EAGLE-2's and SuffixDecoding's greedy expansion) up to `nodes` nodes and
+# A candidate node in the heap: (-path probability, tie-break, parent index, path from the
+# root (its tokens), confidence, per source: its trie node or NONE, per source: its share of
+# the path probability)
+_Entry = tuple[float, int, int, tuple[int, ...], float, tuple[int, ...], tuple[float, ...]]
+
+
+def candidate_tree(matches: Sequence[Match], context: Sequence[int], nodes: int, depth: int,
+                   width: int = 0, min_probability: float = 0.0, max_match: int = 8
+                   ) -> CandidateTree:
+    """The tree of continuations after the matched suffixes of `context`, grown best-first by
+    path probability (EAGLE-2's and SuffixDecoding's greedy expansion) up to `nodes` nodes and
     `depth` levels; `width` > 0 keeps at most that many children per node (1: the most likely
     chain); paths less probable than `min_probability` are left out.
 
     One source: a child's probability is its count over the sum of its siblings' counts (the
     occurrences that continue at all: the context's own trailing occurrence, and occurrences
     cut by the end of their document or by the trie's depth, say nothing about what follows).
+    Where a source's node has no children (its occurrences ran out: a match a few tokens back
+    in a repeating pattern, or the trie's depth), the source re-matches: it continues from the
+    longest suffix (at most `max_match`) of the context followed by the path, as a lookup
+    drafting one token at a time would (for a repeating pattern, the pattern goes on).
+
     Several sources (the request's own context, the store): the tree of their mixture, each
     source weighted by the length of its match (a longer match is more often right: the n-gram
-    drafter's measurements): a path's probability is sum_s w_s P_s(path), and where a source's
-    path ends (no data further) its share is lost, which lowers the children's confidence.
-    Ties go to the earlier source, so the request's own context comes first."""
+    drafter's measurements): a path's probability is sum_s w_s P_s(path), and where a source
+    has nothing further even after re-matching its share is lost, which lowers the children's
+    confidence. Ties go to the earlier source, so the request's own context comes first."""
     matches = [m for m in matches if m.node != NONE and m.length > 0]
     total = sum(m.length for m in matches)
     tree = CandidateTree([], [], [])
     if not matches or nodes <= 0 or depth <= 0:
         return tree
+    grow = _Grow(matches, list(context[len(context) - max_match :]), max_match, width,
+                 min_probability)
     order = itertools.count()
     heap: list[_Entry] = []
     root = (tuple(m.node for m in matches), tuple(m.length / total for m in matches))
-    _push_children(heap, order, matches, -1, 0, 1.0, root, nodes, width, min_probability)
+    _push_children(heap, order, grow, -1, (), 1.0, root, nodes)
     while heap and len(tree.tokens) < nodes:
-        negative, _, parent, level, token, confidence, at, shares = heapq.heappop(heap)
+        negative, _, parent, path, confidence, at, shares = heapq.heappop(heap)
         index = len(tree.tokens)
         tree.parents.append(parent)
-        tree.tokens.append(token)
+        tree.tokens.append(path[-1])
         tree.confidence.append(confidence)
-        if level < depth:
-            _push_children(heap, order, matches, index, level, -negative, (at, shares),
-                           nodes - len(tree.tokens), width, min_probability)
+        if len(path) < depth:
+            _push_children(heap, order, grow, index, path, -negative, (at, shares),
+                           nodes - len(tree.tokens))
     return tree
 
 
-def _push_children(heap: list[_Entry], order: Iterator[int], matches: Sequence[Match],
-                   parent: int, level: int, probability: float,
-                   where: tuple[tuple[int, ...], tuple[float, ...]], room: int, width: int,
-                   min_probability: float) -> None:
+def _push_children(heap: list[_Entry], order: Iterator[int], grow: _Grow, parent: int,
+                   path: tuple[int, ...], probability: float,
+                   where: tuple[tuple[int, ...], tuple[float, ...]], room: int) -> None:
     """Push the children of a tree node (its sources' nodes and path-probability shares in
     `where`), the `room` most probable at most (no more could be added)."""
-    found = _continuations(matches, *where)
+    found = _continuations(grow, path, *where)
     ranked = sorted(found.items(), key=lambda item: -sum(item[1][1]))  # stable: ties keep order
-    limit = min(room, width) if width > 0 else room
+    limit = min(room, grow.width) if grow.width > 0 else room
     for token, (at, shares) in ranked[:limit]:
-        path = sum(shares)
-        if path <= 0.0 or path < min_probability:
+        mass = sum(shares)
+        if mass <= 0.0 or mass < grow.min_probability:
             break  # ranked: the rest are less probable still
-        confidence = min(1.0, path / probability)
-        heapq.heappush(heap, (-path, next(order), parent, level + 1, token, confidence, at,
+        confidence = min(1.0, mass / probability)
+        heapq.heappush(heap, (-mass, next(order), parent, (*path, token), confidence, at,
                               shares))
 
 
-def _continuations(matches: Sequence[Match], at: tuple[int, ...], shares: tuple[float, ...]
+def _continuations(grow: _Grow, path: tuple[int, ...], at: tuple[int, ...],
+                   shares: tuple[float, ...]
                    ) -> dict[int, tuple[tuple[int, ...], tuple[float, ...]]]:
     """token -> (per source: its child node or NONE, per source: its share of the child path's
-    probability), over every source that continues here, in source order."""
+    probability), over every source that continues here (re-matched if its node ran out), in
+    source order."""
+    sources = len(grow.matches)
     out: dict[int, tuple[list[int], list[float]]] = {}
-    for s, (match, node, share) in enumerate(zip(matches, at, shares, strict=True)):
+    for s, (match, node, share) in enumerate(zip(grow.matches, at, shares, strict=True)):
         if node == NONE or share <= 0.0:
             continue
         trie = match.trie
+        if trie.first[node] == NONE:
+            node, length = trie.longest_match(match.root, [*grow.tail, *path], grow.max_match)
+            if length == 0:
+                continue
         kids = trie.children(node)
         total = sum(trie.count[c] for c in kids)
         for child in kids:
             token = trie.token[child]
             if token not in out:
-                out[token] = ([NONE] * len(matches), [0.0] * len(matches))
+                out[token] = ([NONE] * sources, [0.0] * sources)
             out[token][0][s] = child
             out[token][1][s] = share * trie.count[child] / total
     return {t: (tuple(nodes), tuple(sh)) for t, (nodes, sh) in out.items()}

@@ -15,8 +15,8 @@ from specdecode.drafters.hybrid import PREFIX, model_part
 from specdecode.errors import SpecDecodeError
 
 DRAFTERS = ("none", "draft-model", "int8", "w4a16", "ngram", "layerskip", "heads", "distilled",
-            "xtok", *(PREFIX + m for m in ("w4a16", "int8", "distilled", "draft-model",
-                                           "layerskip")))
+            "xtok", "suffix", "ngram-tree",
+            *(PREFIX + m for m in ("w4a16", "int8", "distilled", "draft-model", "layerskip")))
 
 DrafterFactory = Callable[[], Drafter]
 
@@ -91,6 +91,9 @@ def drafter_factory(
     tokenizer: Any | None = None,
     heads: str | None = None,
     distilled: str | None = None,
+    suffix_mib: float = 64.0,
+    suffix_requests: int = 10_000,
+    tree_nodes: int = 0,
 ) -> DrafterFactory | None:
     """A maker of per-request drafters for `target` (a runner); None for 'none'.
 
@@ -100,7 +103,12 @@ def drafter_factory(
     (default: the weights shipped for the default target; refused if made for another target).
     distilled: the folder of a distilled draft (default: the one shipped for the default target;
     refused if made for another target). ngram+X: prompt lookup where it expects to pay, else
-    drafter X (drafters.hybrid).
+    drafter X (drafters.hybrid). suffix, ngram-tree: token trees from a suffix index
+    (drafters.suffix) matching up to ngram_max tokens (at least ngram_min), of at most
+    `tree_nodes` nodes (0: the drafter's default); suffix: the factory (a
+    drafters.suffix.SuffixFactory) shares one store of earlier requests, capped at `suffix_mib`
+    MiB and `suffix_requests` requests, among its drafters; set a drafter's `isolation_key`
+    (None: the shared scope) before its request's first step to draft only from its key's text.
     """
     part = model_part(name)
     if part is not None and name in DRAFTERS:  # lookup first, then a model drafter
@@ -119,6 +127,8 @@ def drafter_factory(
     check_measured_invariance(target)
     if name == "ngram":
         return _ngram(ngram_max, ngram_min)
+    if name in ("suffix", "ngram-tree"):
+        return _tree_lookup(name, ngram_max, ngram_min, tree_nodes, suffix_mib, suffix_requests)
     if name == "layerskip":
         return _layerskip(target, layers, tokenizer, capacity)
     if name == "heads":
@@ -147,6 +157,31 @@ def _ngram(ngram_max: int, ngram_min: int) -> DrafterFactory:
     stats = RegimeStats()  # acceptance by match length and sampling regime, learned across
     # this factory's requests
     return lambda: NgramDrafter(ngram_max, ngram_min, stats=stats)
+
+
+def _tree_lookup(name: str, ngram_max: int, ngram_min: int, tree_nodes: int, suffix_mib: float,
+                 suffix_requests: int) -> DrafterFactory:
+    from specdecode.drafters.ngram import RegimeStats
+    from specdecode.drafters.suffix import (
+        MAX_DEPTH,
+        NGRAM_TREE_NODES,
+        SUFFIX_NODES,
+        SuffixFactory,
+        TreeLookupDrafter,
+    )
+    from specdecode.suffix import SuffixStore
+
+    if name == "suffix":
+        try:
+            store = SuffixStore(suffix_mib, suffix_requests, ngram_max + MAX_DEPTH)
+        except ValueError as e:
+            raise SpecDecodeError(str(e)) from None
+        return SuffixFactory(store, tree_nodes or SUFFIX_NODES, ngram_max, ngram_min)
+    nodes = tree_nodes or NGRAM_TREE_NODES
+    TreeLookupDrafter(name, nodes, max_match=ngram_max, min_match=ngram_min)  # check now
+    stats = RegimeStats()  # learned across this factory's requests, as the n-gram drafter's
+    return lambda: TreeLookupDrafter(name, nodes, max_match=ngram_max, min_match=ngram_min,
+                                     stats=stats)
 
 
 def _layerskip(target: Any, layers: Sequence[int] | None, tokenizer: Any | None,
