@@ -86,10 +86,12 @@ def add_rule_arg(p: argparse.ArgumentParser) -> None:
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     """The drafter and its draft length (`generate`, `audit`, `serve`)."""
     p.add_argument("--drafter", default="none",
-                   help="none | int8 | w4a16 | ngram | layerskip | heads (--heads) | distilled | "
-                        "draft-model | xtok (these two with --draft-model) | ngram+X (prompt "
-                        "lookup where it expects to pay, else drafter X: w4a16, int8, "
-                        "distilled, draft-model, layerskip)")
+                   help="none | int8 | w4a16 | ngram | ngram-tree | suffix | layerskip | heads "
+                        "(--heads) | distilled | draft-model | xtok (these two with "
+                        "--draft-model) | ngram+X (prompt lookup where it expects to pay, else "
+                        "drafter X: w4a16, int8, distilled, draft-model, layerskip). ngram-tree "
+                        "and suffix draft token trees; suffix also from earlier requests "
+                        "(docs/drafters.md)")
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
                         "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
