@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import math
 import re
+from pathlib import Path
 
-from specdecode.bench.analysis import analyze
-from specdecode.bench.harness import make_header
+import pytest
+
+from specdecode.bench.analysis import analyze, arrival_slices, warmup_summary
+from specdecode.bench.harness import BenchOptions, make_header, run_bench
 from specdecode.bench.recommend import recommend
-from specdecode.bench.records import ConfigSpec, CostCurve
-from specdecode.bench.report_html import fmt_bytes, render_html
+from specdecode.bench.records import ConfigSpec, CostCurve, RequestSample
+from specdecode.bench.report_html import fmt_bytes, render_html, warmup_rows
 from specdecode.bench.store import Results
 from specdecode.bench.summary import render_summary
 from specdecode.bench.svg import nice_ticks
-from specdecode.bench.workloads import Prompt
+from specdecode.bench.workloads import Prompt, load_repetitive_workload
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 SECTIONS = ("recommendation", "summary", "latency", "acceptance", "speedup", "boundary",
@@ -111,3 +116,120 @@ def test_a_config_keeps_its_colour_in_every_chart() -> None:
     accepted = legend(str(acceptance_figures(analysis)[0]))
     assert "plain" in cdf and "plain" not in accepted and accepted
     assert all(cdf[name] == color for name, color in accepted.items())
+
+
+# ------------------------------------------------------------------------- cold to warm
+
+
+def hand_sample(config: str, arrival: int, accepted: int, latency: float) -> RequestSample:
+    """Request `arrival` of 8: groups g0..g3 at places (0, 4), (1, 5), (2, 6), (3, 7); 10
+    verification steps, 4 tokens drafted a step, `accepted` (at most 20) of them accepted (so
+    mean acceptance length = 1 + accepted / 10)."""
+    steps, drafted = 10, (0 if config == "plain" else 4)
+    n = accepted + steps + 1
+    return RequestSample(
+        config=config, batch_size=1, prompt_id=f"q{arrival}", category="rag", turn=0,
+        prompt_tokens=50, output_tokens=n, ttft_s=latency, itl_s=[0.0] * (n - 1),
+        latency_s=latency, drafted=drafted * steps, accepted=accepted,
+        accepted_per_pos=[min(accepted, steps), accepted - min(accepted, steps)] if drafted
+        else [],
+        drafted_per_pos=[steps] * drafted, rejections=steps if drafted else 0, steps=steps,
+        draft_s=0.0, target_s=0.0, verify_s=0.0, output_token_ids=list(range(n)), text="",
+        arrival=arrival, repeat_group=f"g{arrival % 4}", repeat_index=arrival // 4)
+
+
+def hand_results(grouped: bool = True) -> Results:
+    prompts = [Prompt(f"q{i}", "rag", ["x"], repeat_group=f"g{i % 4}" if grouped else None)
+               for i in range(8)]
+    results = Results(header=make_header(FakeRunner().describe(), workload_of(prompts),
+                                         [plain(), ngram()], 0))
+    for i in range(8):
+        # acceptance grows with the place in the run; repeats take half plain's time
+        spec = hand_sample("ngram-k4", i, accepted=2 * i, latency=1.0 if i < 4 else 0.5)
+        base = hand_sample("plain", i, accepted=2 * i, latency=1.0)
+        base.accepted, base.accepted_per_pos, base.steps = 0, [], base.output_tokens - 1
+        if not grouped:
+            spec.repeat_group = base.repeat_group = ""
+            spec.repeat_index = base.repeat_index = 0
+        assert spec.problems() == [] and base.problems() == []
+        results.add(base)
+        results.add(spec)
+    return results
+
+
+def test_arrival_slices_cover_the_run() -> None:
+    assert arrival_slices(8) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert arrival_slices(10) == [(0, 1), (2, 4), (5, 6), (7, 9)]
+    assert arrival_slices(3) == [(0, 0), (1, 1), (2, 2)]
+    assert arrival_slices(36) == [(0, 8), (9, 17), (18, 26), (27, 35)]
+
+
+def test_cold_to_warm_slices_from_hand_built_samples() -> None:
+    analysis = analyze(hand_results(), n_resamples=50)
+    assert analysis.summary("plain", 1).warmup is None  # type: ignore[union-attr]
+    w = analysis.summary("ngram-k4", 1).warmup  # type: ignore[union-attr]
+    assert w is not None and w.n_arrivals == 8
+    # accepted per slice: 0+2, 4+6, 8+10, 12+14 over 20 steps and 80 drafted tokens
+    expected = [1.1, 1.5, 1.9, 2.3]
+    assert [x.acceptance.mean_acceptance_length for x in w.by_arrival] == \
+        [pytest.approx(e) for e in expected]
+    assert [x.acceptance.rate for x in w.by_arrival] == \
+        [pytest.approx(a / 80) for a in (2, 10, 18, 26)]
+    assert [x.n_requests for x in w.by_arrival] == [2, 2, 2, 2]
+    assert [x.label for x in w.by_arrival] == ["requests 1-2", "requests 3-4", "requests 5-6",
+                                               "requests 7-8"]
+    assert [x.speedup for x in w.by_arrival] == [pytest.approx(v) for v in (1, 1, 2, 2)]
+    assert (w.first.n_requests, w.repeats.n_requests) == (4, 4)
+    assert w.first.acceptance.mean_acceptance_length == pytest.approx(1 + 12 / 40)
+    assert w.repeats.acceptance.mean_acceptance_length == pytest.approx(1 + 44 / 40)
+    assert w.first.acceptance.alpha == pytest.approx(12 / (12 + 40))  # i.i.d. estimate
+    assert (w.first.speedup, w.repeats.speedup) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert analysis.to_dict()["configs"][1]["warmup"]["repeats"]["n_requests"] == 4
+    # no baseline: acceptance without speedups; slices keep the workload's length
+    alone = warmup_summary(analysis.results.samples_of(("ngram-k4", 1))[:5], [], 8)
+    assert alone is not None and [x.n_requests for x in alone.by_arrival] == [2, 2, 1, 0]
+    assert math.isnan(alone.first.speedup) and math.isnan(alone.by_arrival[3].acceptance.rate)
+
+
+def test_cold_to_warm_in_the_summary_and_the_html() -> None:
+    analysis = analyze(hand_results(), n_resamples=50)
+    text = render_summary(analysis, recommend(analysis))
+    assert "cold to warm, by arrival (requests 1-2 / 3-4 / 5-6 / 7-8 of 8): mean acceptance " \
+           "length 1.10 / 1.50 / 1.90 / 2.30" in text
+    assert "first of their group (4 requests): mean acceptance length 1.30" in text
+    assert "repeats (4): 2.10" in text and "speedup 2.00x" in text
+    html = render_html(analysis, recommend(analysis))
+    assert 'id="warmup"' in html and "4 repeat groups" in html
+    rows = warmup_rows(analysis)
+    assert [r["slice"] for r in rows] == ["requests 1-2 of 8", "requests 3-4 of 8",
+                                          "requests 5-6 of 8", "requests 7-8 of 8",
+                                          "first of its group", "repeats"]
+    assert [r["mal"] for r in rows] == ["1.10", "1.50", "1.90", "2.30", "1.30", "2.10"]
+    assert "Cold to warm, batch size 1" in html and "repeat group</th>" in html
+
+
+def test_no_cold_to_warm_section_without_repeat_groups() -> None:
+    for results in (hand_results(grouped=False), evil_results()):
+        analysis = analyze(results, n_resamples=50)
+        assert all(c.warmup is None for c in analysis.configs)
+        assert "cold to warm" not in render_summary(analysis, recommend(analysis))
+        html = render_html(analysis, recommend(analysis))
+        assert 'id="warmup"' not in html and "repeat group" not in html
+        assert warmup_rows(analysis) == []
+
+
+def test_a_repetitive_run_records_arrivals_and_reports_cold_to_warm(tmp_path: Path) -> None:
+    workload = load_repetitive_workload(categories=["rag", "coding"])  # 5 documents, 15 prompts
+    outcome = run_bench(FakeRunner(), workload, [plain(), ngram()],
+                        BenchOptions(tmp_path, progress=False, n_resamples=50), out=io.StringIO())
+    samples = outcome.analysis.results.samples
+    order = {p.id: i for i, p in enumerate(workload.prompts)}
+    assert all(s.arrival == order[s.prompt_id] for s in samples)
+    assert all(s.repeat_group == s.prompt_id.rsplit("-r", 1)[0] for s in samples)
+    assert all(s.repeat_index == int(s.prompt_id.rsplit("-r", 1)[1]) for s in samples)
+    w = outcome.analysis.summary("ngram-k4", 1).warmup
+    assert w is not None and w.n_arrivals == 15
+    assert sum(x.n_requests for x in w.by_arrival) == 17  # 2 coding conversations: 2 turns
+    assert (w.first.n_requests, w.repeats.n_requests) == (7, 10)
+    assert "cold to warm" in outcome.summary and 'id="warmup"' in \
+        outcome.report_html.read_text(encoding="utf-8")

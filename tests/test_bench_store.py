@@ -220,3 +220,41 @@ def test_resume_writes_only_the_missing_units_of_a_partly_written_batch(tmp_path
     assert outcome.measured == 1
     units = [s.unit for s in read_results(path).samples]
     assert len(units) == len(set(units)) == 8
+
+
+def test_samples_stored_before_arrivals_existed_still_read(tmp_path: Path) -> None:
+    run_bench(FakeRunner(), workload_of(make_prompts(3)), CONFIGS,
+              BenchOptions(tmp_path, progress=False, n_resamples=50), out=io.StringIO())
+    path = tmp_path / RESULTS_FILE
+    lines = []
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = json.loads(raw)
+        if line["kind"] == "sample":  # as written before the arrival fields
+            assert line["data"]["arrival"] >= 0 and line["data"]["repeat_group"] == ""
+            for key in ("arrival", "repeat_group", "repeat_index"):
+                del line["data"][key]
+        lines.append(json.dumps(line))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    samples = read_results(path).samples
+    assert samples and all((s.arrival, s.repeat_group, s.repeat_index) == (-1, "", 0)
+                           for s in samples)
+
+
+def test_an_interrupted_repetitive_run_resumes_with_its_order(tmp_path: Path) -> None:
+    from specdecode.bench.workloads import load_repetitive_workload
+
+    workload = load_repetitive_workload(categories=["rag"])
+    opts = BenchOptions(tmp_path, progress=False, n_resamples=50)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(FakeRunner(interrupt_after=2 + 7), workload, CONFIGS, opts, out=io.StringIO())
+    with pytest.raises(SpecDecodeError, match="workload fingerprint"):  # another seed's order
+        run_bench(FakeRunner(), load_repetitive_workload(categories=["rag"], seed=1), CONFIGS,
+                  dataclasses.replace(opts, resume=True), out=io.StringIO())
+    outcome = run_bench(FakeRunner(), load_repetitive_workload(categories=["rag"]), CONFIGS,
+                        dataclasses.replace(opts, resume=True), out=io.StringIO())
+    samples = read_results(tmp_path / RESULTS_FILE).samples
+    order = [p.id for p in workload.prompts]
+    assert len(samples) == 2 * 9 and outcome.resumed > 0
+    assert all(s.arrival == order.index(s.prompt_id) for s in samples)
+    warm = outcome.analysis.summary("ngram-k4", 1).warmup
+    assert warm is not None and (warm.first.n_requests, warm.repeats.n_requests) == (3, 6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def test_order_spreads_each_group_over_the_run() -> None:
     info = arrivals(prompts)
     for members in by_group(prompts).values():
         places = [i for i, _ in members]
-        assert all(b - a >= DEFAULT_MIN_GAP for a, b in zip(places, places[1:], strict=False))
+        assert all(b - a >= DEFAULT_MIN_GAP for a, b in itertools.pairwise(places))
         assert [info[p.id].repeat_index for _, p in members] == [0, 1, 2]
     assert [info[p.id].index for p in prompts] == list(range(24))
     # many groups: new documents keep arriving while earlier ones come back, and two requests
@@ -226,7 +227,7 @@ def test_order_spreads_each_group_over_the_run() -> None:
     for g in range(20):
         at = [places[f"g{g}-{i}"] for i in range(3)]
         assert at == sorted(at)
-        assert all(b - a >= DEFAULT_MIN_GAP or b >= 50 for a, b in zip(at, at[1:], strict=False))
+        assert all(b - a >= DEFAULT_MIN_GAP or b >= 50 for a, b in itertools.pairwise(at))
     first_places = sorted(places[f"g{g}-0"] for g in range(20))
     assert first_places[-1] > 20  # not every first request comes before every repeat
     assert min(places[f"g{g}-1"] for g in range(20)) < 20
@@ -235,7 +236,7 @@ def test_order_spreads_each_group_over_the_run() -> None:
 def test_repetitive_workload_filters_and_refuses_other_sources(tmp_path: Path) -> None:
     w = load_repetitive_workload(categories=["coding"], limit_per_category=1)
     assert [p.repeat_group for p in w.prompts] == ["rep-code-1"] * 3
-    with pytest.raises(SpecDecodeError, match="'qa'.*known categories: coding, rag, summ"):
+    with pytest.raises(SpecDecodeError, match=r"'qa'.*known categories: coding, rag, summ"):
         load_repetitive_workload(categories=["qa"])
     path = write_lines(tmp_path / "q.jsonl", [
         {"question_id": 1, "category": "qa", "turns": ["Why?"]}])

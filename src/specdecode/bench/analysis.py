@@ -14,6 +14,10 @@ Choices, stated once:
   same batch size and temperature, on the units both measured. "median ratio": median plain
   time per output token / median speculative time per output token; "total ratio": speculative
   tokens/s over plain tokens/s summed over those units. Recommendations use the total ratio.
+- Cold to warm (workloads with repeat groups): a speculative configuration's requests by their
+  place in the run, in ARRIVAL_SLICES near-equal slices of the workload's order, and the first
+  request of each group against the later ones (a request without a group counts as a first),
+  each with its acceptance and speedup (total ratio, point estimate) from the samples measured.
 - alpha is the engine's direct measure E[sum_x min(p(x), q(x))] over verified draft positions
   where the samples carry it, else accepted / (accepted + rejections), the maximum-likelihood
   estimate under i.i.d. acceptance; accepted / drafted (the acceptance rate) is reported
@@ -481,6 +485,68 @@ def structured_summary(samples: Sequence[RequestSample]) -> StructuredSummary | 
     )
 
 
+ARRIVAL_SLICES = 4  # cold to warm: quarters of the run
+
+
+@dataclass(frozen=True)
+class WarmupSlice:
+    """Acceptance and speedup (total ratio, point estimate; NaN without a baseline) of some of
+    a configuration's requests: those that arrived in [first_arrival, last_arrival] (0-based
+    places in the run; -1 when the slice is not one of places)."""
+
+    label: str
+    n_requests: int
+    acceptance: Acceptance
+    speedup: float
+    first_arrival: int = -1
+    last_arrival: int = -1
+
+
+@dataclass(frozen=True)
+class WarmupSummary:
+    """Acceptance as traffic accumulates: by place in the run (`by_arrival`, earliest first) and
+    for the first request of each repeat group against the later ones (`first`, `repeats`)."""
+
+    n_arrivals: int
+    by_arrival: list[WarmupSlice]
+    first: WarmupSlice
+    repeats: WarmupSlice
+
+
+def arrival_slices(n: int, slices: int = ARRIVAL_SLICES) -> list[tuple[int, int]]:
+    """[first, last] places of `slices` near-equal consecutive slices of 0..n-1 (one per place
+    when n is smaller)."""
+    k = min(slices, n)
+    bounds = [i * n // k for i in range(k + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(k)]
+
+
+def warmup_summary(
+    samples: Sequence[RequestSample], plain: Sequence[RequestSample], n_arrivals: int = 0
+) -> WarmupSummary | None:
+    """Cold to warm for one configuration (`plain`: its baseline's samples, for speedups); None
+    when no sample belongs to a repeat group (the workload has none, or it predates them).
+    `n_arrivals` is the workload's number of prompts (the slices cover the whole run even where
+    its last requests failed); samples without a recorded place are left out of the slices."""
+    if not any(s.repeat_group for s in samples):
+        return None
+    placed = [s for s in samples if s.arrival >= 0]
+    n = max([n_arrivals, *(s.arrival + 1 for s in placed)])
+
+    def part(label: str, mine: Sequence[RequestSample], lo: int = -1, hi: int = -1
+             ) -> WarmupSlice:
+        return WarmupSlice(label, len(mine), acceptance(mine), _category_speedup(mine, plain),
+                           lo, hi)
+
+    by_arrival = [part(f"requests {lo + 1}-{hi + 1}",
+                       [s for s in placed if lo <= s.arrival <= hi], lo, hi)
+                  for lo, hi in arrival_slices(n)]
+    return WarmupSummary(
+        n_arrivals=n, by_arrival=by_arrival,
+        first=part("first of its group", [s for s in samples if s.repeat_index == 0]),
+        repeats=part("repeats", [s for s in samples if s.repeat_index > 0]))
+
+
 @dataclass
 class ConfigSummary:
     """Everything the report says about one configuration at one batch size."""
@@ -503,6 +569,7 @@ class ConfigSummary:
     k_effective: float = math.nan  # k, or mean drafted per step for k = "auto"
     predicted_speedup: float = math.nan
     structured: StructuredSummary | None = None  # None: no constrained request
+    warmup: WarmupSummary | None = None  # None: plain, or a workload without repeat groups
 
     @property
     def key(self) -> tuple[str, int]:
@@ -708,11 +775,16 @@ def _summarize(
     samples = results.samples_of(spec.key)
     summary = _base_summary(spec, samples)
     base = None if spec.is_plain else find_baseline(spec, results.header.configs)
+    n_prompts = results.header.workload.get("n_prompts")
+    n_arrivals = n_prompts if isinstance(n_prompts, int) else 0
     if base is None:
         summary.by_category = by_category(samples, [])
+        if not spec.is_plain:
+            summary.warmup = warmup_summary(samples, [], n_arrivals)
         return summary, None
     plain = results.samples_of(base.key)
     summary.by_category = by_category(samples, plain)
+    summary.warmup = warmup_summary(samples, plain, n_arrivals)
     summary.speedup = measure_speedup(samples, plain, base.name, n_resamples, seed)
     _add_costs(summary, plain, samples, results.cost_curves)
     return summary, token_identity_audit(spec, base, samples, plain)

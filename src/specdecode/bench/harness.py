@@ -9,7 +9,8 @@ Order of work in `run_bench`:
 4. for each batch size, for each group of `batch_size` prompts: every configuration in turn,
    the order rotated by one per group so slow drift (thermal, background load) spreads evenly
    over configurations; the machine's CPU counters are read before and after each batch and the
-   difference (`interference.LoadReading`) is stored on its samples; each sample is written
+   difference (`interference.LoadReading`) is stored on its samples, with each request's place
+   in the workload's order and its repeat group (`workloads.arrivals`); each sample is written
    (fsync'd) as soon as it is returned;
 5. cost curves, memory and audit verdicts from the runner (unless already stored);
 6. report.json and report.html, assembled from the results file, and the terminal summary
@@ -55,7 +56,13 @@ from specdecode.bench.store import (
     write_report_json,
 )
 from specdecode.bench.summary import render_summary
-from specdecode.bench.workloads import Prompt, Workload, describe_workload
+from specdecode.bench.workloads import (
+    Prompt,
+    Workload,
+    arrivals,
+    describe_workload,
+    prompts_from_description,
+)
 from specdecode.errors import SpecDecodeError
 from specdecode.version import __version__
 
@@ -186,7 +193,9 @@ def warm_up(runner: Runner, tasks: Sequence[Task]) -> None:
 def measure(runner: Runner, store: ResultStore, tasks: Sequence[Task], progress: bool,
             probe: Probe = read_cpu_times) -> int:
     """Run the tasks, writing every new sample as it arrives, each with the machine's load
-    over its batch; returns the count written."""
+    over its batch and its place in the run (from the stored header's workload, the order the
+    tasks follow); returns the count written."""
+    placed = arrivals(prompts_from_description(store.results.header.workload))
     written = 0
     with tqdm(total=len(tasks), unit="batch", disable=not progress, file=sys.stderr) as bar:
         for task in tasks:
@@ -201,8 +210,13 @@ def measure(runner: Runner, store: ResultStore, tasks: Sequence[Task], progress:
             done = store.done_units()
             for s in samples:
                 if s.unit not in done:
-                    store.append(dataclasses.replace(s, group=group, load=load,
-                                                     started_at=s.started_at or started))
+                    s = dataclasses.replace(s, group=group, load=load,
+                                            started_at=s.started_at or started)
+                    at = placed.get(s.prompt_id)
+                    if at is not None:
+                        s = dataclasses.replace(s, arrival=at.index, repeat_group=at.repeat_group,
+                                                repeat_index=at.repeat_index)
+                    store.append(s)
                     written += 1
             bar.update(1)
     return written

@@ -34,6 +34,12 @@ a step):
   positions of sum_x min(p(x), q(x)) in millionths, and the number of those positions (as in
   `specdecode.counters.Counters`); 0 / 0 when the runner does not measure it.
 
+Arrival (set by the harness from the workload's order, `workloads.arrivals`): `arrival` is the
+request's prompt's place in the run (0-based; the turns of a conversation share it; -1 in files
+written before it was recorded), `repeat_group` the document it is about ("" when its prompt has
+none) and `repeat_index` how many requests of that group came before it (0: the first). The
+report follows acceptance from cold to warm with them (`analysis.warmup_summary`).
+
 Machine load: `load` is the harness's reading of the CPU counters around the batch the request
 ran in (`bench.interference.LoadReading` as a dict: wall_s, other_cores, steal_cores,
 own_cores, load1, cores); empty when not recorded (files written before it existed).
@@ -162,6 +168,10 @@ class RequestSample:
     valid: bool | None = None
     forced: int = 0
     mask_s: float = 0.0
+    # where the request came in the run (see above; defaults: files written before)
+    arrival: int = -1
+    repeat_group: str = ""
+    repeat_index: int = 0
 
     @property
     def failed(self) -> bool:

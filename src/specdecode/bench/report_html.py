@@ -132,6 +132,48 @@ def structured_rows(analysis: Analysis) -> list[dict[str, Any]]:
     return rows
 
 
+def warmup_rows(analysis: Analysis) -> list[dict[str, Any]]:
+    """Cold to warm: per speculative (config, batch size) of a workload with repeat groups, one
+    row per slice of the run by arrival, then the groups' first requests and their repeats."""
+    rows = []
+    for s in analysis.configs:
+        w = s.warmup
+        if w is None:
+            continue
+        for kind, x in [*(("arrival", x) for x in w.by_arrival), ("group", w.first),
+                        ("group", w.repeats)]:
+            a = x.acceptance
+            rows.append({"name": s.spec.name, "batch": s.spec.batch_size, "kind": kind,
+                         "slice": f"{x.label} of {w.n_arrivals}" if kind == "arrival"
+                         else x.label,
+                         "n": x.n_requests, "rate": _num(a.rate), "alpha": _num(a.alpha),
+                         "mal": _num(a.mean_acceptance_length),
+                         "speedup": _num(x.speedup) + ("x" if math.isfinite(x.speedup) else "")})
+    return rows
+
+
+def warmup_figures(analysis: Analysis) -> list[Markup]:
+    """Per batch size: mean acceptance length of each slice of the run by arrival (at the
+    slice's middle request), one line per speculative configuration with repeat groups."""
+    out = []
+    for batch in analysis.batch_sizes:
+        series = []
+        for s in analysis.configs:
+            if s.spec.batch_size != batch or s.warmup is None:
+                continue
+            slices = s.warmup.by_arrival
+            series.append(svg.Series(
+                s.spec.name, [(x.first_arrival + x.last_arrival) / 2 + 1 for x in slices],
+                [x.acceptance.mean_acceptance_length for x in slices],
+                color_index=_slot(analysis, s.spec.name)))
+        if series:
+            out.append(Markup(svg.line_chart(
+                series, title=f"Cold to warm, batch size {batch}",
+                x_label="request in arrival order (middle of each slice)",
+                y_label="mean acceptance length", y_range=(1.0, None))))
+    return out
+
+
 def _slot(analysis: Analysis, name: str) -> int:
     """A configuration's palette slot: the same colour in every chart of the report."""
     names = list(dict.fromkeys(c.spec.name for c in analysis.configs))
@@ -309,6 +351,7 @@ def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
         "rec": recommendation, "rec_headline": headline, "rec_vllm": recommendation.vllm_json,
         "summary_rows": summary_rows(analysis), "category_rows": category_rows(analysis),
         "structured_rows": structured_rows(analysis),
+        "warmup_rows": warmup_rows(analysis), "warmup_figures": warmup_figures(analysis),
         "latency_figures": latency_figures(analysis),
         "acceptance_figures": acceptance_figures(analysis),
         "speedup_figure": speedup_figure(analysis),

@@ -34,7 +34,27 @@ def config_lines(analysis: Analysis, s: ConfigSummary) -> list[str]:
     lines.append(f"  {'':<18} {speed}, predicted {_f(s.predicted_speedup)}x, alpha "
                  f"{_f(a.alpha)}, accepted/drafted {_f(a.rate)}, mean acceptance length "
                  f"{_f(a.mean_acceptance_length)}, audit {audit}")
-    return lines
+    return lines + warmup_lines(s)
+
+
+def warmup_lines(s: ConfigSummary) -> list[str]:
+    """Cold to warm (a workload with repeat groups): mean acceptance length and alpha by place
+    in the run, then for the first request of each group against its repeats."""
+    w = s.warmup
+    if w is None:
+        return []
+    slices = w.by_arrival
+    ranges = " / ".join(f"{x.first_arrival + 1}-{x.last_arrival + 1}" for x in slices)
+    lengths = " / ".join(_f(x.acceptance.mean_acceptance_length) for x in slices)
+    alphas = " / ".join(_f(x.acceptance.alpha) for x in slices)
+    first, rest = w.first, w.repeats
+    return [f"  {'':<18} cold to warm, by arrival (requests {ranges} of {w.n_arrivals}): mean "
+            f"acceptance length {lengths}, alpha {alphas}",
+            f"  {'':<18} first of their group ({first.n_requests} requests): mean acceptance "
+            f"length {_f(first.acceptance.mean_acceptance_length)}, alpha "
+            f"{_f(first.acceptance.alpha)}, speedup {_f(first.speedup)}x; repeats "
+            f"({rest.n_requests}): {_f(rest.acceptance.mean_acceptance_length)}, alpha "
+            f"{_f(rest.acceptance.alpha)}, speedup {_f(rest.speedup)}x"]
 
 
 def load_lines(report: interference.LoadReport, out_dir: Path | None) -> list[str]:
