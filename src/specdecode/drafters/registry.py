@@ -217,7 +217,12 @@ def _distilled(target: Any, distilled: str | None, capacity: int) -> DrafterFact
     from specdecode.drafters.distilled import DEFAULT_DIR, load_distilled
     from specdecode.drafters.draft_model import DraftModelDrafter
 
-    draft = load_distilled(Path(distilled).expanduser() if distilled else DEFAULT_DIR, target)
+    folder = Path(distilled).expanduser() if distilled else DEFAULT_DIR
+    if getattr(target, "backend", "") == "llama.cpp":  # exported to GGUF once, then cached
+        from specdecode.drafters.distilled_gguf import llamacpp_distilled_factory
+
+        return llamacpp_distilled_factory(target, folder, capacity)
+    draft = load_distilled(folder, target)
     return lambda: DraftModelDrafter(draft, "distilled", capacity)
 
 
@@ -242,6 +247,14 @@ def _draft_model(target: Any, draft_model: str | None, capacity: int) -> Drafter
     if not draft_model:
         raise SpecDecodeError("--drafter draft-model needs --draft-model PATH")
     on_llamacpp = getattr(target, "backend", "") == "llama.cpp"  # a GGUF draft there too
+    if on_llamacpp and draft_model.endswith(".gguf"):
+        from pathlib import Path
+
+        from specdecode.drafters.distilled_gguf import load_gguf_draft, sidecar_path
+
+        if sidecar_path(Path(draft_model).expanduser()).is_file():  # a subset-head export
+            sub = load_gguf_draft(Path(draft_model).expanduser(), target)
+            return lambda: DraftModelDrafter(sub, "draft-model", capacity)
     draft = load_model(draft_model, backend="llama.cpp" if on_llamacpp else "auto").model
     check_vocab(target, draft, draft_model)
     return lambda: DraftModelDrafter(draft, "draft-model", capacity)
