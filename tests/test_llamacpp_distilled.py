@@ -220,6 +220,24 @@ def test_a_sidecar_that_is_not_one_is_refused(tiny: Tiny, tmp_path: Path) -> Non
         load_gguf_draft(path, tiny.target)
 
 
+def test_export_command_writes_the_gguf_and_prints_its_path(tiny: Tiny, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    from tests.cli_run import run_cli
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    common = ["export", "--distilled", str(tiny.draft_dir), "--model", str(tiny.target_gguf)]
+    code, out, err = run_cli([*common, "--type", "f16", "--head", "full",
+                              "--out", str(tmp_path / "d.gguf")])
+    assert (code, out.strip(), err) == (0, str(tmp_path / "d.gguf"), "")
+    code, out, _ = run_cli(common)  # into the cache, as --drafter distilled would
+    assert code == 0 and Path(out.strip()) == cached_export(tiny.draft_dir, tiny.target_gguf)
+    code, _, err = run_cli([*common, "--type", "q3"])
+    assert code == 2 and "weight type 'q3'" in err
+    code, _, err = run_cli([*common, "--out", str(tmp_path / "d.bin")])
+    assert code == 2 and "--out must end in .gguf" in err
+
+
 def _run(model: Any, prompt: list[int], params: SamplingParams, drafter: Any = None,
          k: int = 0) -> list[int]:
     gen = Generation(model, None, prompt, params, drafter, k)

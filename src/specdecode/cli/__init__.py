@@ -1,8 +1,8 @@
 """The `specdecode` command line. Every user error is one line on stderr and exit status 2.
 
 One module per subcommand, each with `register(subparsers)` and its `cmd_*` function:
-`generate`, `audit`, `costs`, `bench`, `compare`, `tune`, `serve`, `train`. `args` holds the
-argument groups and checks they share (the draft-length range is `limits.MAX_K`). The
+`generate`, `audit`, `costs`, `bench`, `compare`, `tune`, `serve`, `train`, `export`. `args`
+holds the argument groups and checks they share (the draft-length range is `limits.MAX_K`). The
 subcommand modules are imported when the parser is built, and each imports its heavy
 dependencies (torch, the server's packages) only when its command runs.
 """
@@ -21,11 +21,21 @@ DESCRIPTION = "The `specdecode` command line. Every user error is one line on st
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand (each sets `func`, the function that runs it)."""
-    from specdecode.cli import audit, bench, compare, costs, generate, serve, train, tune
+    from specdecode.cli import (
+        audit,
+        bench,
+        compare,
+        costs,
+        export,
+        generate,
+        serve,
+        train,
+        tune,
+    )
 
     parser = argparse.ArgumentParser(prog="specdecode", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, audit, costs, bench, compare, tune, serve, train):
+    for module in (generate, audit, costs, bench, compare, tune, serve, train, export):
         module.register(sub)
     return parser
 
