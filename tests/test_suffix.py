@@ -18,11 +18,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from specdecode.drafters.base import Draft, DraftRequest
+from specdecode.control import Controller
+from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.ngram import GREEDY_PRIOR, RegimeStats
 from specdecode.drafters.registry import DRAFTERS, drafter_factory
 from specdecode.drafters.suffix import (
@@ -31,7 +33,11 @@ from specdecode.drafters.suffix import (
     TreeLookupDrafter,
     followed,
 )
+from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cache import KVCache
+from specdecode.models.config import config_from_hf, read_hf_config
+from specdecode.models.loading import load_native
 from specdecode.sampling import SamplingParams
 from specdecode.suffix import (
     NONE,
@@ -45,6 +51,7 @@ from specdecode.suffix import (
 from specdecode.verify import check_tree, tree_depths
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
+from tests.test_engine_trees import _no_compaction as no_compaction
 
 # ---------------------------------------------------------------------------------------------
 # Brute force
@@ -756,3 +763,160 @@ def test_the_registry_and_the_cli_know_the_tree_drafters(tmp_path: Path) -> None
                                   "--drafter", name, "--k", "3", "--max-tokens", "6", "--json"])
         assert code == 0, err
         assert len(json.loads(out)["token_ids"]) == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy identity through the engine (trees scored under a tree mask, KV compacted)
+# ---------------------------------------------------------------------------------------------
+
+PROMPTS = ([5, 7, 3, 8, 11, 2], [1, 2, 3], [40, 41, 9, 9, 9, 17, 30, 2, 5, 60],
+           [9, 8, 7, 6, 5, 4, 3])
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A random checkpoint of vocabulary 96 (its greedy text repeats itself: lookups match)."""
+    folder = make_checkpoint(tmp_path_factory.mktemp("suffix-tiny") / "t96", seed=3)
+    return load_native(folder, config_from_hf(read_hf_config(folder)))
+
+
+class Watch:
+    """Counts, over the steps a drafter verified: tree drafts with siblings, and accepted paths
+    that left the first branch somewhere (a sibling other than the lowest-index one)."""
+
+    def __init__(self, drafter: TreeLookupDrafter) -> None:
+        self.branched = self.off_first = self.accepted = 0
+        observe = drafter.observe_result
+
+        def watched(draft: Draft, num_accepted: int, committed: list[int]) -> None:
+            self.accepted += num_accepted
+            if draft.parents is not None:
+                parents = draft.parents.tolist()
+                self.branched += len(set(parents)) < len(parents)
+                self.off_first += left_first_branch(parents, draft.tokens.tolist(),
+                                                    committed[:num_accepted])
+            observe(draft, num_accepted, committed)
+
+        drafter.observe_result = watched  # type: ignore[method-assign]
+
+
+def left_first_branch(parents: list[int], tokens: list[int], accepted: list[int]) -> bool:
+    """Whether the accepted tokens' path through the tree takes, at some node, a child that is
+    not the first (lowest-index) one."""
+    parent = -1
+    for token in accepted:
+        children = [i for i, p in enumerate(parents) if p == parent]
+        chosen = next(i for i in children if tokens[i] == token)
+        if chosen != children[0]:
+            return True
+        parent = chosen
+    return False
+
+
+def plain(target: Any, prompt: list[int], tokens: int = TOKENS) -> list[int]:
+    gen = Generation(target, None, prompt, SamplingParams(max_tokens=tokens))
+    for _ in gen.run():
+        pass
+    return gen.output
+
+
+def speculate(target: Any, prompt: list[int], drafter: TreeLookupDrafter, k: int) -> Generation:
+    gen = Generation(target, None, prompt, SamplingParams(max_tokens=TOKENS), drafter, k)
+    for _ in gen.run():
+        pass
+    gen.release()  # the request ends: a suffix drafter stores it
+    return gen
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", ["suffix", "ngram-tree"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_output_is_plain_decodings_at_batch_1(tiny: Any, name: str, k: int) -> None:
+    """Every prompt twice (the suffix drafter's store then holds the first run)."""
+    factory = drafter_factory(name, tiny)
+    assert factory is not None
+    assert tiny.supports_trees
+    accepted = branched = 0
+    for prompt in (*PROMPTS, *PROMPTS):
+        drafter = factory()
+        assert isinstance(drafter, TreeLookupDrafter)
+        watch = Watch(drafter)
+        gen = speculate(tiny, prompt, drafter, k)
+        assert gen.output == plain(tiny, prompt)
+        accepted, branched = accepted + watch.accepted, branched + watch.branched
+    assert accepted > 0 and (k == 1 or branched > 0)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("auto", [False, True])
+def test_greedy_output_is_plain_decodings_in_a_batch(tiny: Any, auto: bool) -> None:
+    """Suffix and ngram-tree rows beside a plain row in a BatchEngine of 3 rows (requests join
+    as others finish, and finished suffix requests feed the store the later ones read), at
+    fixed k and under the controller (--k auto keeps the nodes that pay)."""
+    suffix, ngram_tree = drafter_factory("suffix", tiny), drafter_factory("ngram-tree", tiny)
+    assert isinstance(suffix, SuffixFactory) and ngram_tree is not None
+    prompts = [*PROMPTS, *PROMPTS, PROMPTS[0]]
+    makers: list[Callable[[], Drafter] | None] = [suffix, ngram_tree, None, suffix, suffix,
+                                                   ngram_tree, suffix, suffix, suffix]
+    ks = [4, 3, 0, 2, 5, 4, 3, 4, 6]
+    gens = [Generation(tiny, None, p, SamplingParams(max_tokens=TOKENS),
+                       make() if make else None, k)
+            for p, make, k in zip(prompts, makers, ks, strict=True)]
+    engine = BatchEngine(tiny, 3, 128, controller=Controller(kmax=6) if auto else None)
+    run_batch(engine, gens)
+    assert [g.output for g in gens] == [plain(tiny, p) for p in prompts]
+    assert len(suffix.store) == makers.count(suffix)  # every suffix request was stored
+    assert sum(g.counters.accepted for g in gens) > 0
+
+
+def related_store(target: Any, factory: SuffixFactory, prompt: list[int]) -> list[int]:
+    """Fill the store as if `prompt` had been asked three times before: once going the target's
+    greedy way, twice another way (as sampled requests may): a lookup at the prompt's end then
+    ranks the other way FIRST (2 of 3) and the target's second. Returns the greedy output."""
+    expected = plain(target, prompt)
+    detour = [(expected[0] + 1) % 96, *expected[1:]]
+    for output in (detour, expected, detour):
+        factory.store.add([*prompt, *output], factory.isolation_key)
+    return expected
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_related_earlier_request_gives_branching_trees_off_the_first_branch(tiny: Any) -> None:
+    """The store holds related earlier requests: drafts branch, and the accepted path leaves
+    the first branch, at batch 1 and in a batch; the output is still plain decoding's."""
+    factory = drafter_factory("suffix", tiny)
+    assert isinstance(factory, SuffixFactory)
+    factory.isolation_key = "user"
+    prompt = [*PROMPTS[2], 33, 71]
+    expected = related_store(tiny, factory, prompt)
+    drafter = factory()
+    watch = Watch(drafter)
+    gen = speculate(tiny, prompt, drafter, 4)
+    assert gen.output == expected
+    assert watch.branched > 0 and watch.off_first > 0
+    assert gen.counters.steps < TOKENS // 2  # the store's continuation was accepted
+    others = [PROMPTS[0], prompt, PROMPTS[1], prompt]
+    gens = [Generation(tiny, None, p, SamplingParams(max_tokens=TOKENS), factory(), k)
+            for p, k in zip(others, [3, 4, 2, 6], strict=True)]
+    watches = [Watch(g.drafter) for g in gens]  # type: ignore[arg-type]
+    run_batch(BatchEngine(tiny, 4, 128), gens)
+    assert [g.output for g in gens] == [plain(tiny, p) for p in others]
+    assert sum(w.off_first for w in watches) > 0 and sum(w.branched for w in watches) > 0
+    stranger = factory()
+    stranger.isolation_key = "someone else"  # sees none of the store: drafts from its own text
+    alone = speculate(tiny, prompt, stranger, 4)
+    assert alone.output == expected and alone.counters.steps > gen.counters.steps
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_branching_case_catches_an_engine_that_does_not_compact_the_kv(
+        tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The identity test above can fail: with the accepted path's KV left uncompacted (the
+    first branch's KV where the path's should be), its output differs from plain decoding."""
+    factory = drafter_factory("suffix", tiny)
+    assert isinstance(factory, SuffixFactory)
+    prompt = [*PROMPTS[2], 33, 71]
+    expected = related_store(tiny, factory, prompt)
+    monkeypatch.setattr(KVCache, "keep", no_compaction)
+    assert speculate(tiny, prompt, factory(), 4).output != expected
