@@ -189,6 +189,9 @@ def test_cold_to_warm_slices_from_hand_built_samples() -> None:
     alone = warmup_summary(analysis.results.samples_of(("ngram-k4", 1))[:5], [], 8)
     assert alone is not None and [x.n_requests for x in alone.by_arrival] == [2, 2, 1, 0]
     assert math.isnan(alone.first.speedup) and math.isnan(alone.by_arrival[3].acceptance.rate)
+    short = warmup_summary(analysis.results.samples_of(("ngram-k4", 1))[:3], [], 3)
+    assert short is not None and [x.label for x in short.by_arrival] == [
+        "request 1", "request 2", "request 3"]
 
 
 def test_cold_to_warm_in_the_summary_and_the_html() -> None:

@@ -538,7 +538,7 @@ def warmup_summary(
         return WarmupSlice(label, len(mine), acceptance(mine), _category_speedup(mine, plain),
                            lo, hi)
 
-    by_arrival = [part(f"requests {lo + 1}-{hi + 1}",
+    by_arrival = [part(f"requests {lo + 1}-{hi + 1}" if hi > lo else f"request {lo + 1}",
                        [s for s in placed if lo <= s.arrival <= hi], lo, hi)
                   for lo, hi in arrival_slices(n)]
     return WarmupSummary(

@@ -44,7 +44,7 @@ def warmup_lines(s: ConfigSummary) -> list[str]:
     if w is None:
         return []
     slices = w.by_arrival
-    ranges = " / ".join(f"{x.first_arrival + 1}-{x.last_arrival + 1}" for x in slices)
+    ranges = " / ".join(x.label.split(" ", 1)[1] for x in slices)  # "1-6", or "3" alone
     lengths = " / ".join(_f(x.acceptance.mean_acceptance_length) for x in slices)
     alphas = " / ".join(_f(x.acceptance.alpha) for x in slices)
     first, rest = w.first, w.repeats
