@@ -131,3 +131,21 @@ def test_header_states_the_runners_hardware_when_it_is_remote(tmp_path: Path) ->
     assert local.hardware.torch_threads == 2 and local.hardware.cpu_cores >= 1
     remote = make_header(Remote().describe(), workload_of(make_prompts(1)), [plain()], 0)
     assert (remote.hardware.cpu_model, remote.hardware.accelerator) == ("Server CPU", "1x H200")
+
+
+def test_a_repeat_group_warms_up_on_a_text_of_its_own(tmp_path: Path) -> None:
+    """A drafter that stores earlier requests must not see a measured prompt in the warm-up."""
+    from specdecode.bench.harness import WARMUP_TEXT
+
+    seen: list[list[str]] = []
+
+    class Spy(FakeRunner):
+        def run(self, prompts: Sequence[Prompt], config: ConfigSpec) -> list[RequestSample]:
+            seen.extend(p.turns for p in prompts if p.id.startswith("warmup-"))
+            return super().run(prompts, config)
+
+    prompts = [Prompt("a", "rag", ["document A, question 1"], repeat_group="A"),
+               Prompt("b", "qa", ["a question of its own"])]
+    run_bench(Spy(), workload_of(prompts), [plain(2), ngram(2)], options(tmp_path),
+              out=io.StringIO())
+    assert seen == [[WARMUP_TEXT], ["a question of its own"]] * 2

@@ -67,6 +67,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.version import __version__
 
 WARMUP_TOKENS = 16
+# what a prompt with a repeat group warms up on instead of its own text (see warm_up)
+WARMUP_TEXT = "Count from one to twenty in words."
 Task = tuple[int, list[Prompt], ConfigSpec]  # (group index, prompts, config)
 
 
@@ -179,13 +181,17 @@ def _check_samples(task: Task, samples: Sequence[RequestSample]) -> None:
 
 
 def warm_up(runner: Runner, tasks: Sequence[Task]) -> None:
-    """One short untimed batch per configuration that has work left."""
+    """One short untimed batch per configuration that has work left, on its first prompts; a
+    prompt with a repeat group warms up on WARMUP_TEXT instead: a drafter that stores earlier
+    requests (suffix) would otherwise start the run holding that prompt and the opening of its
+    reply, and the report's first requests would not be cold."""
     warmed: set[tuple[str, int]] = set()
     for _, prompts, config in tasks:
         if config.key in warmed:
             continue
         warmed.add(config.key)
-        short = [dataclasses.replace(p, id=f"warmup-{p.id}", turns=p.turns[:1],
+        short = [dataclasses.replace(p, id=f"warmup-{p.id}",
+                                     turns=[WARMUP_TEXT] if p.repeat_group else p.turns[:1],
                                      max_tokens=WARMUP_TOKENS) for p in prompts]
         runner.run(short, config)
 
