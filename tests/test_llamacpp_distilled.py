@@ -288,7 +288,7 @@ def test_greedy_batch_of_rows_with_the_distilled_gguf(tiny: Tiny,
 @pytest.mark.slow
 def test_smollm_greedy_with_the_shipped_distilled_draft_is_token_identical() -> None:
     """The shipped draft exported for SmolLM2's GGUF (into the user cache, as `--drafter
-    distilled --backend llama.cpp` does) on 4 built-in prompts, 48 tokens, k = 3."""
+    distilled --backend llama.cpp` does) on 4 built-in prompts (one in 6), 48 tokens, k = 3."""
     from specdecode.bench.workloads import load_default_workload
     from specdecode.models.loading import load_model
 
@@ -296,7 +296,7 @@ def test_smollm_greedy_with_the_shipped_distilled_draft_is_token_identical() -> 
     make = drafter_factory("distilled", loaded.model)
     assert make is not None
     tok = loaded.tokenizer
-    for prompt in load_default_workload()[:4]:
+    for prompt in load_default_workload().prompts[::6]:
         ids = tok.encode_prompt(tok.apply_chat_template([{"role": "user",
                                                           "content": prompt.turns[0]}]))
         params = SamplingParams(max_tokens=48)
