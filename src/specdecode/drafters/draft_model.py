@@ -180,6 +180,14 @@ class DraftModelDrafter(Drafter):
 
 
 
+def with_siblings(drafter: Drafter, name: str) -> DraftModelDrafter:
+    """`drafter` (a DraftModelDrafter) proposing sibling leaves where unsure, named `name`."""
+    if not isinstance(drafter, DraftModelDrafter):
+        raise SpecDecodeError(f"the {name} drafter needs a draft model to branch")
+    drafter.siblings, drafter.max_nodes, drafter.name = True, 2 * MAX_K, name
+    return drafter
+
+
 def sibling(row: torch.Tensor, request: DraftRequest, history: torch.Tensor, i: int, token: int,
             q: torch.Tensor | None, bounds: tuple[float, float] = (SIBLING_MIN, SIBLING_BELOW)
             ) -> tuple[int, torch.Tensor | None] | None:

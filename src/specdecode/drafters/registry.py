@@ -14,8 +14,10 @@ from specdecode.drafters.base import Drafter, require_native
 from specdecode.drafters.hybrid import PREFIX, model_part
 from specdecode.errors import SpecDecodeError
 
+TREE_SUFFIX = "-tree"  # X-tree: draft model X proposing sibling leaves where unsure (trees)
+TREE_MODELS = ("w4a16", "int8", "distilled", "draft-model")
 DRAFTERS = ("none", "draft-model", "int8", "w4a16", "ngram", "layerskip", "heads", "distilled",
-            "xtok", "suffix", "ngram-tree",
+            "xtok", "suffix", "ngram-tree", *(m + TREE_SUFFIX for m in TREE_MODELS),
             *(PREFIX + m for m in ("w4a16", "int8", "distilled", "draft-model", "layerskip")))
 
 DrafterFactory = Callable[[], Drafter]
@@ -123,6 +125,13 @@ def drafter_factory(
         return lambda: HybridDrafter(make_lookup(), make_model(), name)
     if name == "none":
         return None
+    base = name.removesuffix(TREE_SUFFIX)
+    if base != name and base in TREE_MODELS:  # the model drafter with sibling leaves: trees
+        from specdecode.drafters.draft_model import with_siblings
+
+        make = drafter_factory(base, target, draft_model, capacity, distilled=distilled)
+        assert make is not None
+        return lambda: with_siblings(make(), name)
     check_batch_invariant(getattr(target, "precision", "fp32"))
     check_measured_invariance(target)
     if name == "ngram":
