@@ -90,8 +90,9 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "(--heads) | distilled | draft-model | xtok (these two with "
                         "--draft-model) | ngram+X (prompt lookup where it expects to pay, else "
                         "drafter X: w4a16, int8, distilled, draft-model, layerskip). ngram-tree "
-                        "and suffix draft token trees; suffix also from earlier requests "
-                        "(docs/drafters.md)")
+                        "and suffix draft token trees; suffix also from earlier requests; "
+                        "X-tree (X: w4a16, int8, distilled, draft-model): X with its next "
+                        "choice as a sibling where it is unsure (docs/drafters.md)")
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
                         "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
