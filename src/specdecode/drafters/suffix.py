@@ -163,6 +163,12 @@ class SuffixDrafter(TreeLookupDrafter):
             self.store.add(document, self.isolation_key)
         self._forget()
 
+    def discard(self) -> None:
+        """Forget the request without storing it (a caller ending it unfinished: cancelled,
+        failed), so that its `reset` adds nothing: the store then holds only text that was
+        generated to its end, never the partial or inconsistent text of a failed step."""
+        self._forget()
+
     def _tree(self, request: DraftRequest, context: list[int], own: Match
               ) -> tuple[CandidateTree, int]:
         """Own context first, then the store; the store is read under its lock."""
