@@ -28,6 +28,9 @@ SERVE_MAX_STEP_COST = 1.5
 HEADER_TIMEOUT_S = 10.0  # = specdecode.server.connections.HEADER_TIMEOUT_S
 BODY_TIMEOUT_S = 60.0  # = specdecode.server.state.BODY_TIMEOUT_S
 SHUTDOWN_TIMEOUT_S = 30.0  # = specdecode.server.shutdown.SHUTDOWN_TIMEOUT_S
+SUFFIX_ISOLATION = ("user", "shared")  # = specdecode.server.isolation.MODES, the default first
+SUFFIX_MIB = 64.0  # = drafter_factory's suffix_mib
+SUFFIX_REQUESTS = 10_000  # = drafter_factory's suffix_requests
 
 
 def register(sub: Any) -> None:
@@ -66,6 +69,18 @@ def register(sub: Any) -> None:
                    help="parse special-token strings (<|im_start|>...) in chat message contents "
                         "as control tokens: only for trusted callers (default: tokenized as "
                         "text, so no user can forge another turn)")
+    p.add_argument("--suffix-isolation", choices=SUFFIX_ISOLATION, default=SUFFIX_ISOLATION[0],
+                   help="--drafter suffix: user (default): a request drafts only from earlier "
+                        "requests of the same user (the API key presented and the request's "
+                        "`user` field), since drafts from another user's text would answer "
+                        "faster and so reveal it; shared: from every earlier request (one "
+                        "tenant)")
+    p.add_argument("--suffix-mib", type=float, default=SUFFIX_MIB,
+                   help="--drafter suffix: cap of the store of earlier requests in MiB; the "
+                        f"oldest are evicted first (default {SUFFIX_MIB:g})")
+    p.add_argument("--suffix-requests", type=int, default=SUFFIX_REQUESTS,
+                   help="--drafter suffix: cap of the store in requests (default "
+                        f"{SUFFIX_REQUESTS})")
     add_rule_arg(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -88,6 +103,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_prompt_bytes=args.max_prompt_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         shutdown_timeout=args.shutdown_timeout, rule=args.rule,
+        suffix_isolation=args.suffix_isolation, suffix_mib=args.suffix_mib,
+        suffix_requests=args.suffix_requests,
     )
     options.check()
     return options
@@ -103,6 +120,7 @@ def check_installed() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_installed()
+    from specdecode.memory import draft_store
     from specdecode.models.loading import load_model
     from specdecode.server.app import create_app
     from specdecode.server.background import bind_socket, uvicorn_server
@@ -118,8 +136,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, args.precision, args.backend, max_batch=args.max_batch)
     state = build_state(loaded, options)
     host, port = sock.getsockname()[:2]
+    store = ""
+    if draft_store(state.served.make_drafter) is not None:  # say whose text drafts come from
+        store = (f", store of earlier requests {options.suffix_mib:g} MiB / "
+                 f"{options.suffix_requests} requests, isolation {options.suffix_isolation}")
     print(f"specdecode: serving {state.served.name} at http://{host}:{port}/v1 "
-          f"(drafter {options.drafter}, k {'auto' if options.auto else options.k})",
+          f"(drafter {options.drafter}, k {'auto' if options.auto else options.k}{store})",
           file=sys.stderr)
     server = uvicorn_server(create_app(state), args.log_level,
                             drain=lambda: drain(state, options.shutdown_timeout))

@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from specdecode.sampling import SamplingParams
 from specdecode.server import allocator, prepare, shutdown
 from specdecode.server.connections import ConnectionLimits
+from specdecode.server.isolation import credential
 from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from specdecode.server.openai_errors import APIError, UnexpectedErrorMiddleware, install_handlers
 from specdecode.server.prometheus import CONTENT_TYPE
@@ -118,7 +119,8 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
                     functools.partial(_prompt_and_params, served, req)))
         else:
             prompt_ids, params = await run_in_threadpool(_prompt_and_params, served, req)
-        gen = prepare.new_generation(served, prompt_ids, params, spec)
+        scope = served.isolation.key(credential(request.headers), req.user)
+        gen = prepare.new_generation(served, prompt_ids, params, spec, scope)
         if state.draining:  # began while this prompt was being tokenized
             raise shutdown.refusal()
         sub = Submission(state.worker, gen, state.metrics, state.release)

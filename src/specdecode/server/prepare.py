@@ -13,7 +13,7 @@ the window), so a huge prompt costs the server no tokenizing.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
@@ -31,6 +31,7 @@ from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
+from specdecode.server.isolation import Isolable, Isolation
 from specdecode.server.openai_errors import APIError
 from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from specdecode.server.tokens import PromptEncoder
@@ -57,6 +58,8 @@ class ServedModel:
     prompts: PromptEncoder  # tokenizes prompts (message contents as text)
     max_prompt_bytes: int  # longer prompt text is refused before tokenizing
     rule: str = "invariant"  # how sampled drafts are verified (SamplingParams.rule)
+    # whose stored text a `suffix` drafter reads (server.isolation): per user unless shared
+    isolation: Isolation = field(default_factory=Isolation)
 
     @property
     def vocab_size(self) -> int:
@@ -293,10 +296,15 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
 
 
 def new_generation(served: ServedModel, prompt_ids: list[int], params: SamplingParams,
-                   spec: ConstraintSpec | None = None) -> Generation:
+                   spec: ConstraintSpec | None = None, scope: str | None = None) -> Generation:
     """A Generation for the engine, with a fresh per-request drafter when speculating, under
-    the request's structured-output constraint `spec` if any."""
+    the request's structured-output constraint `spec` if any. A drafter reading a store of
+    earlier requests (`suffix`) is given the request's isolation `scope`
+    (Isolation.key; None: the shared scope) now, before its first step: it drafts only from
+    text stored under that scope, and its own text is stored under it."""
     drafter = served.make_drafter() if served.make_drafter is not None else None
+    if isinstance(drafter, Isolable):
+        drafter.isolation_key = scope
     try:
         constraint = None if spec is None else compile_constraint(
             spec, served.tokenizer, served.vocab_size, served.eos_ids)

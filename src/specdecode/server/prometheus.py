@@ -14,8 +14,13 @@ Names follow vLLM's (without its "vllm:" prefix), so one scraper or report reads
 - kv_cache_usage_perc (tokens held / token capacity of the shared cache, 0..1),
   kv_cache_used_rows, kv_cache_rows: gauges;
 - memory_bytes{component}: target_weights, draft_weights (only what the drafter does not
-  share with the target), target_kv (the shared batch cache, allocated at start), and
-  peak_rss (this process, read at each scrape): gauges;
+  share with the target), target_kv (the shared batch cache, allocated at start), draft_store
+  (--drafter suffix: its store of earlier requests, read at each scrape), and peak_rss (this
+  process, read at each scrape): gauges;
+- with --drafter suffix (read from the store at each scrape): suffix_store_bytes and
+  suffix_store_requests (what it holds), suffix_store_max_bytes and suffix_store_max_requests
+  (its caps, --suffix-mib and --suffix-requests), suffix_store_evicted_requests_total (requests
+  evicted to stay under the caps), and suffix_store_info{isolation} (value 1: user or shared);
 - spec_decode_guard_holds (under --k auto): times the controller's guard held speculation off
   because its speculative steps realized fewer tokens/s than plain steps (control.PayGuard);
 - prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
@@ -32,7 +37,7 @@ thread updates the speculation counters and gauges, the event loop the per-reque
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -42,8 +47,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from specdecode.memory import peak_rss_bytes
+from specdecode.suffix import SuffixStore
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -107,6 +115,14 @@ class ServerMetrics:
               "pay (control.PayGuard).", ["model_name"], registry=self.registry
               ).labels(self.model_name).set_function(holds)
 
+    def watch_suffix_store(self, store: SuffixStore, isolation: str) -> None:
+        """Expose the `suffix` drafter's store of earlier requests (read at each scrape): its
+        size and caps, its evictions, and its bytes as memory_bytes{component="draft_store"}.
+        No series names a scope: nothing here tells users apart."""
+        self.registry.register(_SuffixStoreCollector(store, self.model_name, isolation))
+        self._memory.labels(self.model_name, "draft_store").set_function(
+            lambda: float(store.nbytes()))
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return bytes(generate_latest(self.registry))
@@ -161,3 +177,34 @@ class ServerMetrics:
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generation_tokens)
         self._e2e.observe(seconds)
+
+
+class _SuffixStoreCollector(Collector):
+    """The suffix store's series, read from the store when scraped (its counters live in the
+    store: the engine thread adds and evicts, the scrape only reads)."""
+
+    def __init__(self, store: SuffixStore, model_name: str, isolation: str) -> None:
+        self.store, self.model_name, self.isolation = store, model_name, isolation
+
+    def collect(self) -> Iterable[Metric]:
+        store, labels = self.store, ["model_name"]
+        for name, doc, value in (
+                ("suffix_store_bytes", "Bytes the suffix store of earlier requests holds.",
+                 store.nbytes()),
+                ("suffix_store_requests", "Requests the suffix store holds.", len(store)),
+                ("suffix_store_max_bytes", "The suffix store's cap in bytes (--suffix-mib).",
+                 store.max_bytes),
+                ("suffix_store_max_requests", "The suffix store's cap in requests "
+                 "(--suffix-requests).", store.max_requests)):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric([self.model_name], float(value))
+            yield gauge
+        evicted = CounterMetricFamily("suffix_store_evicted_requests", "Requests evicted from "
+                                      "the suffix store to stay under its caps.", labels=labels)
+        evicted.add_metric([self.model_name], float(store.evicted))
+        yield evicted
+        info = GaugeMetricFamily("suffix_store_info", "Whose earlier text a request drafts "
+                                 "from: isolation user (its own scope) or shared.",
+                                 labels=[*labels, "isolation"])
+        info.add_metric([self.model_name, self.isolation], 1.0)
+        yield info

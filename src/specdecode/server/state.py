@@ -8,6 +8,7 @@ the batch engine over one shared KV cache (with the controller and its measured 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -20,14 +21,16 @@ from specdecode.control import Controller, CostModel
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine
 from specdecode.errors import SpecDecodeError
-from specdecode.memory import drafter_module, weight_bytes
+from specdecode.memory import draft_store, drafter_module, weight_bytes
 from specdecode.models.loading import LoadedModel
 from specdecode.server.connections import HEADER_TIMEOUT_S
+from specdecode.server.isolation import MODES, Isolable, Isolation
 from specdecode.server.openai_errors import APIError
 from specdecode.server.prepare import ServedModel
 from specdecode.server.prometheus import ServerMetrics
 from specdecode.server.tokens import PromptEncoder
 from specdecode.server.worker import EngineWorker
+from specdecode.suffix import MIN_MIB
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 BODY_TIMEOUT_S = 60.0  # a whole body of MAX_BODY_BYTES then needs >= 17 kB/s
@@ -71,6 +74,12 @@ class ServeOptions:
     header_timeout: float = HEADER_TIMEOUT_S  # seconds for a request's complete headers
     body_timeout: float = BODY_TIMEOUT_S  # seconds for its complete body (then 408)
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # on SIGTERM: for in-flight requests to end
+    # --drafter suffix: whose earlier text a request drafts from (server.isolation: "user", the
+    # default, closes the timing side channel between users; "shared": one scope for all), and
+    # the store's caps (drafter_factory's defaults: 64 MiB, 10000 requests)
+    suffix_isolation: str = "user"
+    suffix_mib: float = 64.0
+    suffix_requests: int = 10_000
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
@@ -91,6 +100,15 @@ class ServeOptions:
                                   f"{self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key.strip():
             raise SpecDecodeError("--api-key must not be empty")
+        if self.suffix_isolation not in MODES:
+            raise SpecDecodeError(f"--suffix-isolation must be one of {', '.join(MODES)}, got "
+                                  f"{self.suffix_isolation!r}")
+        # checked for every drafter: a bad value is a mistake even where it is not used yet
+        if not (math.isfinite(self.suffix_mib) and self.suffix_mib >= MIN_MIB):
+            raise SpecDecodeError(f"--suffix-mib must be a number of MiB >= {MIN_MIB:g} (16 KiB),"
+                                  f" got {self.suffix_mib}")
+        if self.suffix_requests < 1:
+            raise SpecDecodeError(f"--suffix-requests must be >= 1, got {self.suffix_requests}")
 
 
 @dataclass
@@ -133,7 +151,13 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
     options.check()
     model, tok = loaded.model, loaded.tokenizer
     factory = drafter_factory(options.drafter, model, options.draft_model,
-                              capacity=options.max_seq_len, tokenizer=tok)
+                              capacity=options.max_seq_len, tokenizer=tok,
+                              suffix_mib=options.suffix_mib,
+                              suffix_requests=options.suffix_requests)
+    store = draft_store(factory)
+    isolation = Isolation(options.suffix_isolation)
+    if store is not None and isolation.mode != "shared":
+        _check_isolable(factory, options.drafter)
     k = options.k if factory is not None else 0
     window = min(int(model.cfg.max_position), options.max_seq_len - k - 1)
     if window < 2:
@@ -152,7 +176,7 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
         make_drafter=factory, k=k, window=window, created=int(time.time()),
         prompts=prompts,
         max_prompt_bytes=options.max_prompt_bytes or window * prompts.longest_token_bytes,
-        rule=options.rule,
+        rule=options.rule, isolation=isolation,
     )
     metrics = ServerMetrics(name)
     metrics.set_backend(loaded.backend, loaded.backend_version(), loaded.exactness())
@@ -161,10 +185,21 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
         metrics.watch_guard(lambda: float(guard.holds))
     metrics.set_memory(weight_bytes(model), _draft_weight_bytes(factory, model),
                        engine.cache.nbytes())
+    if store is not None:
+        metrics.watch_suffix_store(store, isolation.mode)
     return ServerState(served, EngineWorker(engine, metrics), metrics,
                        options.max_batch + options.max_queue, options.max_body_bytes,
                        options.api_key, options.header_timeout, options.body_timeout,
                        options.shutdown_timeout)
+
+
+def _check_isolable(factory: Any, name: str) -> None:
+    """Fail closed: a drafter that reads a shared store but cannot be given a scope
+    (`isolation_key`) would draft every user's requests from every other user's text."""
+    if not isinstance(factory(), Isolable):
+        raise SpecDecodeError(f"--drafter {name} drafts from a store of earlier requests but "
+                              "cannot be isolated per user; use --suffix-isolation shared for "
+                              "a single-tenant server")
 
 
 def _draft_weight_bytes(factory: Any, model: Any) -> int:

@@ -8,6 +8,11 @@ cancelled request's cache row is freed before the next step runs. Outputs go bac
 A failure inside a step is logged and fails only the requests that were in that step (their
 clients get an error event); the thread keeps serving the others. Engine-side metrics (the
 speculation counters, the running/waiting and KV gauges) are updated here after every step.
+
+A request ended unfinished (cancelled: its client left or the server shut down; or failed)
+leaves nothing in a `suffix` drafter's store of earlier requests: only requests generated to
+their end (stop, length) are stored, so the store never holds half a reply, nor text a failed
+step may have left inconsistent.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import zip_longest
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 from specdecode.engine import BatchEngine, Generation, StepOutput
 from specdecode.errors import SpecDecodeError
@@ -39,6 +44,14 @@ class EngineFailure:
 
 Event = StepOutput | EngineFailure
 Deliver = Callable[[Event], None]
+
+
+@runtime_checkable
+class _Discards(Protocol):
+    """A drafter that would learn from its request when it ends (drafters.suffix
+    .SuffixDrafter stores it): `discard` makes it forget the request instead."""
+
+    def discard(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -135,7 +148,8 @@ class EngineWorker:
         if command.kind == "stop" or gen is None:
             return False
         if command.kind == "cancel":
-            if self._tracked.pop(gen, None) is not None:
+            if self._tracked.pop(gen, None) is not None:  # else it finished (and was stored)
+                _discard(gen)
                 self.engine.cancel(gen)
             return True
         assert command.deliver is not None
@@ -182,6 +196,7 @@ class EngineWorker:
         for gen in gens:
             tracked = self._tracked.pop(gen, None)
             try:
+                _discard(gen)  # a failed step may have left its text half committed
                 self.engine.cancel(gen)
             except Exception:
                 log.exception("engine thread: could not cancel a failed request")
@@ -195,6 +210,13 @@ class EngineWorker:
             used_rows=len(e.active), rows=e.max_batch, used_tokens=sum(e.cache.lengths),
             capacity_tokens=e.max_batch * e.max_seq_len,
         )
+
+
+def _discard(gen: Generation) -> None:
+    """Make gen's drafter forget its request before the engine ends it (the engine's release
+    would have it stored, as for a request that finished)."""
+    if isinstance(gen.drafter, _Discards):
+        gen.drafter.discard()
 
 
 def _deliver(deliver: Deliver, event: Event) -> None:
