@@ -140,6 +140,29 @@ def test_a_draft_models_own_cache_is_counted(tiny: LoadedModel) -> None:
     assert done.draft_kv == kv_bytes(tiny.model.new_cache(1, 128)) > 0  # its first allocation
 
 
+def test_a_suffix_configurations_memory_counts_its_store(tiny: LoadedModel) -> None:
+    """`suffix` (#24): the store of earlier requests is draft memory (MemoryRecord.draft_store),
+    within its cap; other drafters have none, and a record written before the field reads 0."""
+    from specdecode.bench.records import MemoryRecord
+    from specdecode.memory import draft_store
+
+    suffix = ConfigSpec("suffix-k3", "suffix", 3, options={"suffix_mib": 1 / 32})
+    runner = InProcessRunner(tiny, default_max_tokens=12, audit_samples=0)
+    runner.fit_capacity(tiny_prompts(), 3)
+    runner.check([PLAIN, NGRAM, suffix])
+    for config in (PLAIN, NGRAM, suffix):
+        runner.run(tiny_prompts()[:1], config)
+    store = draft_store(runner.factory(suffix))
+    assert store is not None and len(store) == 1  # the request ran, then was stored
+    record = runner.memory(suffix)
+    assert record is not None and 0 < record.draft_store == store.nbytes() <= 32 * 1024
+    for config in (PLAIN, NGRAM):
+        other = runner.memory(config)
+        assert other is not None and other.draft_store == 0
+    old = {key: value for key, value in record.to_dict().items() if key != "draft_store"}
+    assert MemoryRecord.from_dict(old).draft_store == 0
+
+
 # ----------------------------------------------------------------------------- end to end
 
 

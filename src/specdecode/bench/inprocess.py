@@ -57,7 +57,7 @@ from specdecode.drafters.hybrid import model_part
 from specdecode.drafters.registry import DrafterFactory, drafter_factory
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
-from specdecode.memory import drafter_module, peak_rss_bytes, weight_bytes
+from specdecode.memory import draft_store_bytes, drafter_module, peak_rss_bytes, weight_bytes
 from specdecode.models.loading import LoadedModel, file_digest
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
@@ -543,9 +543,12 @@ class InProcessRunner:
             if module is not None:
                 draft = weight_bytes(module, shared=target)
         target_kv, draft_kv = self._kv[config.key]
+        # a suffix store is the factory's, shared by the configurations that share the factory
+        # (one store per bench run and drafter options): its size after this one's requests
         return MemoryRecord(config=config.name, batch_size=config.batch_size,
                             target_weights=weight_bytes(target), draft_weights=draft,
-                            target_kv=target_kv, draft_kv=draft_kv, peak_rss=peak_rss_bytes())
+                            target_kv=target_kv, draft_kv=draft_kv, peak_rss=peak_rss_bytes(),
+                            draft_store=draft_store_bytes(factory))
 
     def audit(self, config: ConfigSpec) -> list[AuditVerdict]:
         """A sampled losslessness audit (`audit.audit_sampled`) of `config` at each temperature

@@ -320,7 +320,9 @@ class CostCurve:
 
 @dataclass(frozen=True)
 class MemoryRecord:
-    """Memory of one configuration, in bytes (0 where not applicable, e.g. no draft model)."""
+    """Memory of one configuration, in bytes (0 where not applicable, e.g. no draft model).
+    `draft_store`: the drafter's store of earlier requests (`suffix`) after the configuration's
+    requests, draft memory that is neither weights nor KV (0 in files written before it)."""
 
     config: str
     batch_size: int
@@ -329,6 +331,7 @@ class MemoryRecord:
     target_kv: int
     draft_kv: int
     peak_rss: int
+    draft_store: int = 0
 
     def to_dict(self) -> JsonDict:
         return asdict(self)

@@ -320,7 +320,8 @@ def _table_rows(analysis: Analysis) -> dict[str, list[dict[str, Any]]]:
                "p_value": _num(a.p_value, 4)} for a in analysis.audits]
     memory = [{"config": m.config, "batch": m.batch_size,
                **{key: fmt_bytes(getattr(m, key)) for key in (
-                   "target_weights", "draft_weights", "target_kv", "draft_kv", "peak_rss")}}
+                   "target_weights", "draft_weights", "target_kv", "draft_kv", "draft_store",
+                   "peak_rss")}}
               for m in analysis.results.memory]
     costs = [{"drafter": c.drafter, "config": c.config or DASH, "batch": c.batch_size, "k": k,
               "c": _num(cv), "v": _num(vv), "step": _num(c.target_step_s * 1000, 1)}
