@@ -51,6 +51,16 @@ from specdecode.suffix import (
 from specdecode.verify import check_tree, tree_depths
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
+from tests.test_engine_sampled import (
+    FALSE_ALARM,
+    PARAMS,
+    PROMPT,
+    SAMPLES,
+    exact_pairs,
+    gof_p_value,
+    models,  # noqa: F401  (fixture)
+    observed_pairs,
+)
 from tests.test_engine_trees import _no_compaction as no_compaction
 
 # ---------------------------------------------------------------------------------------------
@@ -920,3 +930,55 @@ def test_the_branching_case_catches_an_engine_that_does_not_compact_the_kv(
     expected = related_store(tiny, factory, prompt)
     monkeypatch.setattr(KVCache, "keep", no_compaction)
     assert speculate(tiny, prompt, factory(), 4).output != expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampled: the output distribution is the target's (chi-square on the first two tokens)
+# ---------------------------------------------------------------------------------------------
+
+
+def sampled_factory(target: Any) -> SuffixFactory:
+    """A suffix factory whose store holds the audit prompt followed by likely and unlikely
+    first tokens: each step's draft is a tree with several siblings at the root (q None)."""
+    factory = drafter_factory("suffix", target)
+    assert isinstance(factory, SuffixFactory)
+    exact = exact_pairs(target, PARAMS)
+    first: dict[int, float] = {}
+    for (a, _), p in exact.items():
+        first[a] = first.get(a, 0.0) + p
+    ranked = sorted(first, key=first.__getitem__, reverse=True)
+    for a in [*ranked[:3], *ranked[-2:], ranked[0]]:
+        factory.store.add([*PROMPT, a, ranked[0]])
+    return factory
+
+
+class LyingSuffix(SuffixDrafter):
+    """BROKEN: reports a uniform q for its deterministic nodes (verify_tree over-accepts)."""
+
+    def propose(self, request: DraftRequest) -> Draft:
+        draft = super().propose(request)
+        n = len(draft.tokens)
+        return Draft(draft.tokens, torch.full((n, 16), 1 / 16) if n else None,
+                     draft.confidence, draft.parents)
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("lying", [False, True])
+def test_sampled_suffix_trees_keep_the_targets_distribution(
+        models: Any, lying: bool) -> None:  # noqa: F811  (fixture)
+    """Rule "residual", trees of several siblings with q None (verified one-hot): the first two
+    tokens pass the chi-square test against the enumerated target; the same trees reported
+    with a uniform q are rejected."""
+    target = models[0]
+    factory = sampled_factory(target)
+    tree = request(factory(), PROMPT, 1, 8, PARAMS)
+    assert tree.parents is not None and len(tree.tokens) >= 4  # siblings at the root
+
+    def make() -> SuffixDrafter:
+        if not lying:
+            return factory()
+        return LyingSuffix(factory.store, max_nodes=factory.max_nodes, stats=factory.stats)
+
+    counts = observed_pairs(target, make, 1, SAMPLES)
+    p_value = gof_p_value(counts, exact_pairs(target, PARAMS))
+    assert (p_value < FALSE_ALARM) if lying else (p_value > FALSE_ALARM)
