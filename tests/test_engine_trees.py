@@ -407,3 +407,43 @@ def test_draft_model_sibling_leaves_invariant_rule_is_plain_seeded(models: Any) 
         for _ in gen.run():
             pass
         assert gen.output == expected
+
+
+def test_suffix_hybrid_is_token_identical_and_forwards_its_store(models: Any) -> None:
+    """suffix+X: the suffix lookup's trees where it expects to pay, else the model's chain;
+    greedy output is plain's, both parts draft (the second round of prompts finds the first in
+    the store), and the factory exposes the store while drafters forward their scope and
+    discard to the lookup (server isolation, memory reports)."""
+    from specdecode.drafters.hybrid import HybridDrafter, HybridFactory
+    from specdecode.drafters.suffix import SuffixFactory
+    from specdecode.suffix import SuffixStore
+
+    target, draft = models[0], models[1]
+    lookups = SuffixFactory(SuffixStore(1.0, 100))
+    factory = HybridFactory(lookups, lambda: DraftModelDrafter(draft), "suffix+draft-model")
+    assert factory.store is lookups.store
+    params = SamplingParams(max_tokens=TOKENS)
+    used = [0, 0]
+    for _ in range(2):
+        for prompt in PROMPTS:
+            expected = plain_output(target, prompt, params)
+            hybrid = factory()
+            hybrid.isolation_key = "alice"
+            assert hybrid.lookup.isolation_key == "alice"  # type: ignore[attr-defined]
+            assert hybrid.tree_nodes(4) == hybrid.lookup.tree_nodes(4) > 0
+            gen = Generation(target, None, prompt, params, hybrid, 4)
+            assert gen.trees
+            for _ in gen.run():
+                pass
+            assert gen.output == expected
+            used = [u + v for u, v in zip(used, hybrid.used, strict=True)]
+            gen.release()  # stores the request under "alice"
+    assert used[0] > 0 and used[1] > 0
+    assert len(lookups.store) == len(PROMPTS) * 2
+    discarded = factory()
+    assert isinstance(discarded, HybridDrafter)
+    gen = Generation(target, None, PROMPTS[0], params, discarded, 4)
+    gen.step()
+    discarded.discard()
+    gen.release()
+    assert len(lookups.store) == len(PROMPTS) * 2  # a discarded request is not stored

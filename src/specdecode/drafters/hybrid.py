@@ -27,16 +27,50 @@ draft is verified as one-hot, a model draft against the q it was drawn from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from specdecode.control import expected_accepted
 from specdecode.drafters.base import CacheModel, Draft, Drafter, DraftRequest, Rounds
+from specdecode.trees import path_probabilities
 
 MIN_EXPECTED = 0.6
-PREFIX = "ngram+"  # a hybrid's name: this, then its model drafter's
+PREFIX = "ngram+"  # a hybrid's name: its lookup (this, or SUFFIX_PREFIX), then its model's
+SUFFIX_PREFIX = "suffix+"  # the lookup is drafters.suffix (token trees, earlier requests too)
 
 
 def model_part(name: str) -> str | None:
     """The model drafter of a hybrid's name ("ngram+w4a16" -> "w4a16"); None for another name."""
-    return name.removeprefix(PREFIX) if name.startswith(PREFIX) else None
+    for prefix in (PREFIX, SUFFIX_PREFIX):
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return None
+
+
+def lookup_part(name: str) -> str:
+    """The lookup drafter of a hybrid's name ("suffix+w4a16" -> "suffix")."""
+    return "suffix" if name.startswith(SUFFIX_PREFIX) else "ngram"
+
+
+def expected_tokens(draft: Draft) -> float:
+    """Accepted tokens a draft with confidences is expected to get: for a chain
+    control.expected_accepted, for a tree the sum of its nodes' path probabilities."""
+    if draft.parents is not None:
+        return sum(path_probabilities(draft))
+    return expected_accepted(draft.confidence or ())
+
+
+class HybridFactory:
+    """Makes hybrids of one lookup factory and one model factory; `store` is the lookup's
+    store of earlier requests (suffix), if any, for memory reports and isolation checks."""
+
+    def __init__(self, lookup: Callable[[], Drafter], model: Callable[[], Drafter],
+                 name: str) -> None:
+        self.lookup, self.model, self.name = lookup, model, name
+        self.store: Any = getattr(lookup, "store", None)
+
+    def __call__(self) -> HybridDrafter:
+        return HybridDrafter(self.lookup(), self.model(), self.name)
 
 
 class HybridDrafter(Drafter):
@@ -60,6 +94,29 @@ class HybridDrafter(Drafter):
     def cache(self) -> object:
         """The model drafter's KV cache (memory accounting reads `drafter.cache`)."""
         return self.model.cache
+
+    @property
+    def max_nodes(self) -> int:  # type: ignore[override]
+        return self.lookup.max_nodes  # a tree lookup's trees (the model part drafts chains)
+
+    def tree_nodes(self, k: int) -> int:
+        return self.lookup.tree_nodes(k)
+
+    @property
+    def isolation_key(self) -> str | None:
+        """The lookup's scope in a store of earlier requests (server isolation)."""
+        return getattr(self.lookup, "isolation_key", None)
+
+    @isolation_key.setter
+    def isolation_key(self, key: str | None) -> None:
+        if hasattr(self.lookup, "isolation_key"):
+            self.lookup.isolation_key = key
+
+    def discard(self) -> None:
+        """Forget the request instead of storing it (a lookup with a store)."""
+        discard = getattr(self.lookup, "discard", None)
+        if discard is not None:
+            discard()
 
     def reset(self) -> None:
         self.lookup.reset()
@@ -101,8 +158,8 @@ class HybridDrafter(Drafter):
         # the lookup is asked every step, so its rates keep being scored against what the
         # target commits even on the steps the model drafts
         draft = self.lookup.propose(request)
-        if draft.confidence is not None and (self._model_k(request) <= 0 or expected_accepted(
-                draft.confidence) >= self.min_expected):
+        if draft.confidence is not None and (self._model_k(request) <= 0 or expected_tokens(
+                draft) >= self.min_expected):
             self.used[0] += 1
             return draft
         self.used[1] += 1

@@ -11,14 +11,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from specdecode.drafters.base import Drafter, require_native
-from specdecode.drafters.hybrid import PREFIX, model_part
+from specdecode.drafters.hybrid import PREFIX, SUFFIX_PREFIX, lookup_part, model_part
 from specdecode.errors import SpecDecodeError
 
 TREE_SUFFIX = "-tree"  # X-tree: draft model X proposing sibling leaves where unsure (trees)
 TREE_MODELS = ("w4a16", "int8", "distilled", "draft-model")
 DRAFTERS = ("none", "draft-model", "int8", "w4a16", "ngram", "layerskip", "heads", "distilled",
             "xtok", "suffix", "ngram-tree", *(m + TREE_SUFFIX for m in TREE_MODELS),
-            *(PREFIX + m for m in ("w4a16", "int8", "distilled", "draft-model", "layerskip")))
+            *(prefix + m for prefix in (PREFIX, SUFFIX_PREFIX)
+              for m in ("w4a16", "int8", "distilled", "draft-model", "layerskip")))
 
 DrafterFactory = Callable[[], Drafter]
 
@@ -114,15 +115,16 @@ def drafter_factory(
     """
     part = model_part(name)
     if part is not None and name in DRAFTERS:  # lookup first, then a model drafter
-        from specdecode.drafters.hybrid import HybridDrafter
+        from specdecode.drafters.hybrid import HybridFactory
 
-        lookup = drafter_factory("ngram", target, ngram_max=ngram_max, ngram_min=ngram_min)
+        lookup = drafter_factory(lookup_part(name), target, ngram_max=ngram_max,
+                                 ngram_min=ngram_min, suffix_mib=suffix_mib,
+                                 suffix_requests=suffix_requests, tree_nodes=tree_nodes)
         model = drafter_factory(part, target, draft_model, capacity, layers=layers,
                                 tokenizer=tokenizer, distilled=distilled)
         if lookup is None or model is None:
-            raise SpecDecodeError(f"--drafter {name} needs a drafter after 'ngram+'")
-        make_lookup, make_model = lookup, model
-        return lambda: HybridDrafter(make_lookup(), make_model(), name)
+            raise SpecDecodeError(f"--drafter {name} needs a model drafter after the '+'")
+        return HybridFactory(lookup, model, name)
     if name == "none":
         return None
     base = name.removesuffix(TREE_SUFFIX)
