@@ -92,7 +92,7 @@ def _check(m: LoadedModel, prompts: list[Prompt],
 
 def test_tree_drafters_are_token_identical_on_the_builtin_workload(smollm: LoadedModel) -> None:
     """Every tree drafter in rows of 8 (k 6) over the 24 prompts; the lookup trees at batch 1
-    (k 4) on every third (one per category: batch 1 is the slow part of this test)."""
+    (k 4) on every third (batch 1 is the slow part of this test)."""
     prompts = load_default_workload().prompts
     _check(smollm, prompts, tuple((name, 8, 6) for name in DRAFTERS))
     _check(smollm, prompts[::3], (("ngram-tree", 1, 4), ("suffix", 1, 4)))
