@@ -12,8 +12,9 @@ hyper-parameters and tokenizer. Two heads:
   so the draft is fed input *embeddings* (rows of the target's table, kept beside the GGUF in a
   safetensors sidecar) instead of token ids, and its logits are spread back over the target's
   vocabulary with -inf elsewhere: q is a proper distribution over the subset and zero outside,
-  which verification handles losslessly (drafters.distilled). Measured on SmolLM2 (2 cores):
-  about a third of the full head's forward time (docs/measurements/llamacpp.md).
+  which verification handles losslessly (drafters.distilled). Measured on SmolLM2 (1 thread):
+  c = 0.07-0.11 of a target step against 0.23 with the full head, the same greedy agreement
+  (docs/measurements/llamacpp.md).
 - `full`: one self-contained GGUF with the target's whole vocabulary, usable by llama.cpp's own
   tools or `--drafter draft-model`; its head scores every token, those outside the training
   subset included (never trained down, so q differs from the native draft's there).
@@ -46,7 +47,7 @@ from specdecode.models.llamacpp import LlamaCppModel  # imports llama_cpp only w
 
 EXPORT_VERSION = "1"  # bump when the exported file changes
 WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_0")
-DEFAULT_WEIGHT_TYPE = "q8_0"  # measured: 0.07 of a target step (f32: 0.11), see the module doc
+DEFAULT_WEIGHT_TYPE = "q8_0"  # c 0.07-0.11 (f32 0.11-0.16), agreement as f32; Q4_0 drifts
 HEADS = ("subset", "full")
 DEFAULT_HEAD = "subset"
 SIDECAR_SUFFIX = ".embed.safetensors"
@@ -443,6 +444,11 @@ class SubsetDraft(LlamaCppModel):
         self.embed = embed
         self._embd_batch = self.L.llama_batch_init(_BATCH, embed.n_embd, 1)
         self._embd = np.ctypeslib.as_array(self._embd_batch.embd, shape=(_BATCH, embed.n_embd))
+        # one drafting step's logits, returned as a view (the caller uses them before its next
+        # call, as with the base class's view of llama.cpp's buffer): only the subset's columns
+        # are written each step. A fresh -inf fill of the whole vocabulary crosses torch's
+        # parallel grain, and with 2 threads on a busy machine it measured 0.15-8 ms a step
+        self._row = torch.full((1, 1, target_cfg.vocab_size), float("-inf"))
 
     def __call__(
         self,
@@ -455,7 +461,8 @@ class SubsetDraft(LlamaCppModel):
         layers: Sequence[int] | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
-        """Score T new positions of one row; logits (1, T', target vocabulary)."""
+        """Score T new positions of one row; logits (1, T', target vocabulary). One position's
+        logits are a view the next call overwrites (copy what is kept)."""
         B, T = tokens.shape
         if B != 1 or num_new is not None or positions is not None or tree_mask is not None \
                 or layers is not None or return_hidden:
@@ -485,7 +492,10 @@ class SubsetDraft(LlamaCppModel):
         if not wanted:
             return torch.zeros(1, 0, 0)
         sub = self._logits(len(wanted))  # (T', n): a view of llama.cpp's buffer
-        out = torch.full((1, len(wanted), self.cfg.vocab_size), float("-inf"))
+        if len(wanted) == 1:  # a drafting step: the reused row, -inf outside the subset
+            out = self._row
+        else:
+            out = torch.full((1, len(wanted), self.cfg.vocab_size), float("-inf"))
         if self.prefix:
             out[0, :, : sub.shape[1]] = sub
         else:
