@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -369,6 +370,9 @@ def cached_export(folder: Path, target_gguf: Path, *, weight_type: str = DEFAULT
     dest = cache_root() / "drafts" / f"distilled-{key}.gguf"
     if dest.is_file() and (head == "full" or sidecar_path(dest).is_file()):
         return dest
+    # the first use waits for the target's identity check and the quantization (seconds)
+    print(f"specdecode: exporting the distilled draft {folder.name} to {dest} (once)",
+          file=sys.stderr)
     return export_distilled_gguf(folder, target_gguf, dest, weight_type=weight_type, head=head)
 
 
