@@ -3,6 +3,10 @@ Imports nothing, so the lowest module can use it."""
 
 MAX_K = 64  # the longest draft one step may propose: --k, --kmax and a configuration's k
 MAX_TREE_NODES = 128  # the most nodes of one token-tree draft (Drafter.max_nodes)
+# the `suffix` drafter's store of earlier requests: its default caps, and whose text a request
+# drafts from on the server (the default first: per user)
+SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS = 64.0, 10_000
+SUFFIX_ISOLATION = ("user", "shared")
 K_RANGE = f"1..{MAX_K}"  # as error messages and help texts write it
 RULES = ("invariant", "residual")  # how sampled drafts are verified (SamplingParams.rule)
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # any signed or unsigned 64-bit seed (noise: mod 2**64)

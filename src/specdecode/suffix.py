@@ -44,6 +44,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from specdecode.limits import SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
+
 NONE = -1  # no node
 WIDE = 8  # a parent with more children than this indexes them in SuffixTrie.edges
 NARROW = WIDE // 2  # ... and stops at this many or fewer (a gap: no flipping back and forth)
@@ -405,7 +407,8 @@ class SuffixStore:
     cannot bring the size under the cap (a burst grew the arrays), the index is rebuilt from
     the documents kept. A document alone over half the cap keeps only its last tokens."""
 
-    def __init__(self, max_mib: float = 64.0, max_requests: int = 10_000, depth: int = 16) -> None:
+    def __init__(self, max_mib: float = SUFFIX_STORE_MIB, max_requests: int = SUFFIX_STORE_REQUESTS,
+                 depth: int = 16) -> None:
         if max_mib < MIN_MIB or max_requests <= 0:
             raise ValueError(f"the suffix store needs at least {MIN_MIB} MiB and 1 request, got "
                              f"{max_mib} MiB and {max_requests} requests")

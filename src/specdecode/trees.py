@@ -84,6 +84,17 @@ def path_probabilities(draft: Draft) -> list[float]:
     return out
 
 
+def path_sums(draft: Draft) -> list[float]:
+    """Per node, the accepted tokens expected along the path to it: the sum of the path
+    probabilities of its nodes."""
+    assert draft.parents is not None
+    probs = path_probabilities(draft)
+    out: list[float] = []
+    for i, parent in enumerate(draft.parents.tolist()):
+        out.append(probs[i] + (out[parent] if parent >= 0 else 0.0))
+    return out
+
+
 def keeping_order(draft: Draft) -> list[int]:
     """The nodes in the order a node budget keeps them: most likely accepted path first, ties by
     index. Every prefix of this order is closed under ancestors (a node's path probability is
@@ -115,14 +126,12 @@ def best_path(draft: Draft) -> Draft:
     """The tree's most likely root-to-leaf path, as a chain: what a target that cannot score
     trees (or a request under a constraint) verifies instead."""
     assert draft.parents is not None
-    probs = path_probabilities(draft)
+    expected = path_sums(draft)
     depths = tree_depths(draft.parents).tolist()
-    if not probs:
+    if not expected:
         return as_chain(draft)
-    # the deepest node among the most probable leaves: expected accepted tokens of the path
-    # to node i is the sum of the path probabilities along it
-    expected = [sum(probs[j] for j in tree_path(draft.parents, i)) for i in range(len(probs))]
-    leaf = max(range(len(probs)), key=lambda i: (expected[i], depths[i], -i))
+    # the path expected to get the most tokens accepted; the deepest, then the first, on ties
+    leaf = max(range(len(expected)), key=lambda i: (expected[i], depths[i], -i))
     return keep_nodes(draft, tree_path(draft.parents, leaf))
 
 

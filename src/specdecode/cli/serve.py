@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from specdecode.cli.args import add_drafter_args, add_model_args, add_rule_arg, check_k
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import SUFFIX_ISOLATION
+from specdecode.limits import SUFFIX_STORE_MIB as SUFFIX_MIB
+from specdecode.limits import SUFFIX_STORE_REQUESTS as SUFFIX_REQUESTS
 
 if TYPE_CHECKING:
     from specdecode.server.state import ServeOptions
@@ -28,9 +31,6 @@ SERVE_MAX_STEP_COST = 1.5
 HEADER_TIMEOUT_S = 10.0  # = specdecode.server.connections.HEADER_TIMEOUT_S
 BODY_TIMEOUT_S = 60.0  # = specdecode.server.state.BODY_TIMEOUT_S
 SHUTDOWN_TIMEOUT_S = 30.0  # = specdecode.server.shutdown.SHUTDOWN_TIMEOUT_S
-SUFFIX_ISOLATION = ("user", "shared")  # = specdecode.server.isolation.MODES, the default first
-SUFFIX_MIB = 64.0  # = drafter_factory's suffix_mib
-SUFFIX_REQUESTS = 10_000  # = drafter_factory's suffix_requests
 
 
 def register(sub: Any) -> None:

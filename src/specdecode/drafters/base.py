@@ -56,10 +56,6 @@ class Draft:
     # committed (verify.verify_tree*). None: a chain (parents -1, 0, 1, ..., k - 2).
     parents: torch.Tensor | None = None
 
-    @property
-    def is_tree(self) -> bool:
-        return self.parents is not None
-
 
 @dataclass(frozen=True)
 class DraftRequest:

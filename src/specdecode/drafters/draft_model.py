@@ -63,7 +63,6 @@ class DraftModelDrafter(Drafter):
         self.siblings = siblings
         self.sibling_range = sibling_range  # (least probability of a sibling, most of its
         # draft token)
-        self.max_nodes = 2 * MAX_K if siblings else 0
         self.model = model
         self.capacity = capacity
         # with in_cache (a copy of the target's layout), engines draft it in the target's cache
@@ -74,6 +73,10 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.cache, self.fed = None, []
+
+    @property
+    def max_nodes(self) -> int:  # type: ignore[override]
+        return self.tree_nodes(MAX_K)
 
     def tree_nodes(self, k: int) -> int:
         return 2 * k if self.siblings else 0  # a draft token and a sibling per position
@@ -184,7 +187,7 @@ def with_siblings(drafter: Drafter, name: str) -> DraftModelDrafter:
     """`drafter` (a DraftModelDrafter) proposing sibling leaves where unsure, named `name`."""
     if not isinstance(drafter, DraftModelDrafter):
         raise SpecDecodeError(f"the {name} drafter needs a draft model to branch")
-    drafter.siblings, drafter.max_nodes, drafter.name = True, 2 * MAX_K, name
+    drafter.siblings, drafter.name = True, name
     return drafter
 
 
@@ -197,18 +200,19 @@ def sibling(row: torch.Tensor, request: DraftRequest, history: torch.Tensor, i: 
     Greedy: the second most likely token. Rule "invariant": the second largest of the
     position's noisy logits (the verifier never reads q). Rule "residual": drawn from q without
     `token` (verify.without_replacement), as verify_tree requires of siblings."""
-    params = request.params
-    x = process_logits(row, params, history, request.prompt_len, EMPTY)[0]
-    probs = q if q is not None else torch.softmax(x, dim=-1)
+    if q is None:  # greedy: the draft's processed logits (draw's fast path skipped them)
+        scores = process_logits(row, request.params, history, request.prompt_len, EMPTY)[0]
+        probs = torch.softmax(scores, dim=-1)
+    else:  # log q ranks tokens as draw's processed logits do (softmax is shift-invariant)
+        probs, scores = q, q.log()
     least, below = bounds
     if float(probs[token]) >= below or 1.0 - float(probs[token]) < least:
         return None
     if q is not None and request.noise is None:
         rest = without_replacement(q, [token])
         return int(sample(rest, request.generator)), rest
-    scores = x.clone()
-    if request.noise is not None:
-        scores += request.noise.gumbel(request.position + i, x.shape[-1])
+    if request.noise is not None:  # the position's noise, as draw used (cached there)
+        scores = scores + request.noise.gumbel(request.position + i, scores.shape[-1])
     scores[token] = float("-inf")
     other = int(scores.argmax())
     if float(probs[other]) < least:

@@ -32,7 +32,7 @@ from typing import Any
 
 from specdecode.control import expected_accepted
 from specdecode.drafters.base import CacheModel, Draft, Drafter, DraftRequest, Rounds
-from specdecode.trees import path_probabilities
+from specdecode.trees import path_sums
 
 MIN_EXPECTED = 0.6
 PREFIX = "ngram+"  # a hybrid's name: its lookup (this, or SUFFIX_PREFIX), then its model's
@@ -61,11 +61,7 @@ def expected_tokens(draft: Draft) -> float:
     traffic, docs/measurements/trees.md)."""
     if draft.parents is None:
         return expected_accepted(draft.confidence or ())
-    probs = path_probabilities(draft)
-    along: list[float] = []
-    for i, parent in enumerate(draft.parents.tolist()):
-        along.append(probs[i] + (along[parent] if parent >= 0 else 0.0))
-    return max(along, default=0.0)
+    return max(path_sums(draft), default=0.0)
 
 
 class HybridFactory:

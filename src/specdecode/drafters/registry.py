@@ -13,6 +13,7 @@ from typing import Any
 from specdecode.drafters.base import Drafter, require_native
 from specdecode.drafters.hybrid import PREFIX, SUFFIX_PREFIX, lookup_part, model_part
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
 
 TREE_SUFFIX = "-tree"  # X-tree: draft model X proposing sibling leaves where unsure (trees)
 TREE_MODELS = ("w4a16", "int8", "distilled", "draft-model")
@@ -94,8 +95,8 @@ def drafter_factory(
     tokenizer: Any | None = None,
     heads: str | None = None,
     distilled: str | None = None,
-    suffix_mib: float = 64.0,
-    suffix_requests: int = 10_000,
+    suffix_mib: float = SUFFIX_STORE_MIB,
+    suffix_requests: int = SUFFIX_STORE_REQUESTS,
     tree_nodes: int = 0,
 ) -> DrafterFactory | None:
     """A maker of per-request drafters for `target` (a runner); None for 'none'.

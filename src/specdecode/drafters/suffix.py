@@ -36,6 +36,7 @@ from specdecode.drafters.ngram import MatchStats, RegimeStats
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_TREE_NODES
 from specdecode.suffix import NONE, CandidateTree, Match, SuffixStore, SuffixTrie, candidate_tree
+from specdecode.verify import tree_depths
 
 MAX_MATCH = 8  # the longest suffix matched (as the n-gram drafter's max_n)
 MAX_DEPTH = 8  # the deepest continuation indexed beyond a full-length match
@@ -207,9 +208,7 @@ def followed(tree: CandidateTree, committed: Sequence[int]) -> list[int]:
 
 def _draft(tree: CandidateTree, length: int, stats: MatchStats, chain: bool) -> Draft:
     """The Draft of a candidate tree: confidences rated by match length and depth."""
-    depths: list[int] = []
-    for parent in tree.parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
+    depths = tree_depths(torch.tensor(tree.parents, dtype=torch.long)).tolist()
     confidence = tuple(stats.rate(length + d - 1) * c
                        for d, c in zip(depths, tree.confidence, strict=True))
     tokens = torch.tensor(tree.tokens, dtype=torch.long)

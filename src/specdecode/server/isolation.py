@@ -24,7 +24,8 @@ import secrets
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-MODES = ("user", "shared")
+from specdecode.limits import SUFFIX_ISOLATION as MODES
+
 KEY_HEX = 32  # 128 bits of the digest: collisions between users are out of reach
 
 

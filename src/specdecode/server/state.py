@@ -21,6 +21,7 @@ from specdecode.control import Controller, CostModel
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import SUFFIX_ISOLATION, SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
 from specdecode.memory import draft_store, drafter_module, weight_bytes
 from specdecode.models.loading import LoadedModel
 from specdecode.server.connections import HEADER_TIMEOUT_S
@@ -76,10 +77,10 @@ class ServeOptions:
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # on SIGTERM: for in-flight requests to end
     # --drafter suffix: whose earlier text a request drafts from (server.isolation: "user", the
     # default, closes the timing side channel between users; "shared": one scope for all), and
-    # the store's caps (drafter_factory's defaults: 64 MiB, 10000 requests)
-    suffix_isolation: str = "user"
-    suffix_mib: float = 64.0
-    suffix_requests: int = 10_000
+    # the store's caps
+    suffix_isolation: str = SUFFIX_ISOLATION[0]
+    suffix_mib: float = SUFFIX_STORE_MIB
+    suffix_requests: int = SUFFIX_STORE_REQUESTS
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
