@@ -248,3 +248,33 @@ def test_a_batch_step_teaches_alphas_costs_and_the_guard_in_one_call() -> None:
                                   draft_s=0.01, target_s=0.1, step_s=0.12)
     ctl.learn(lookup_only)  # free lookup drafts say nothing about a model's cost per token
     assert ctl.costs.draft(2) == pytest.approx(0.005)
+
+
+def test_a_batch_size_seen_at_one_width_does_not_make_other_widths_free() -> None:
+    """Measured on the llama.cpp target: a batch draining from 8 rows to 7 whose first step at 7
+    rows was a wide one (t(7, 5) measured, nothing else at 7) made every narrower width cost
+    t(7, 5) too, so a width of 5 looked free against width 1, and fit_width verified drafts
+    whose expected 12 tokens per 0.17 s lost to plain's 7 per 0.07 s. A width's relative cost
+    comes from the nearest batch size that measured it, scaled by this batch's own steps."""
+    costs = CostModel(target_s={(8, w): 0.08 * (1 + 0.6 * (w - 1)) for w in range(1, 10)})
+    costs.observe_target(7, 5, 0.171)
+    assert costs.target(7, 5) == pytest.approx(0.171)
+    assert costs.target(7, 1) == pytest.approx(0.07)  # t(8, 1) x 7 / 8, not t(7, 5)
+    assert costs.target(7, 3) == pytest.approx(0.07 * 2.2)
+    # the drafts of that step: four rows of 4 tokens at ~0.75 each, three rows without a match
+    sure = Draft(torch.arange(4), None, (0.75, 0.8, 0.8, 0.8))
+    empty = Draft(torch.zeros(0, dtype=torch.long), None, ())
+    assert [len(d.tokens) for d in fit_width([sure] * 4 + [empty] * 3, costs)] == [0] * 7
+    costs.observe_target(7, 1, 0.076)  # now both ends at 7 rows: interpolated between them
+    assert costs.target(7, 3) == pytest.approx((0.076 + 0.171) / 2)
+    assert costs.target(7, 9) > costs.target(7, 5)  # past the widest: the last segment's slope
+
+
+def test_estimates_follow_the_measured_curve_of_the_nearest_covering_batch() -> None:
+    """Only one batch size measured at one width: other widths grow by PRIOR_SLOPE per position,
+    other batch sizes in proportion to the rows."""
+    costs = CostModel(target_s={(4, 1): 0.04})
+    assert costs.target(4, 3) == pytest.approx(0.04 * (1 + 2 * 0.1))
+    assert costs.target(8, 1) == pytest.approx(0.08)
+    costs.observe_target(4, 2, 0.06)
+    assert costs.target(4, 4) == pytest.approx(0.10)  # slope of the last segment, 0.02

@@ -116,24 +116,51 @@ class CostModel:
         return self.draft_batch_s.get(batch, self.draft_token_s)
 
     def target(self, batch: int, width: int) -> float:
-        if (batch, width) in self.target_s:
-            return self.target_s[(batch, width)]
+        """t(B, T): the measured figure where there is one, else an estimate (`_estimate`)."""
+        measured = self.target_s.get((batch, width))
+        if measured is not None:
+            return measured
         if not self.target_s:
             return 1.0 * width ** 0.5 * batch ** 0.5  # uninformed: only the ordering matters
-        # nearest measured batch, then linear in width between measured widths; past the
-        # widest measured width, PRIOR_SLOPE of the narrowest one's time per extra position
-        batches = sorted({b for b, _ in self.target_s})
-        b = min(batches, key=lambda x: (abs(x - batch), x))
-        widths = sorted(w for bb, w in self.target_s if bb == b)
-        if width > widths[-1]:
-            t = self.target_s[(b, widths[-1])] + (width - widths[-1]) * PRIOR_SLOPE * \
-                self.target_s[(b, widths[0])]
-            return t * batch / b
-        lo = max([w for w in widths if w <= width], default=widths[0])
-        hi = min([w for w in widths if w >= width], default=widths[-1])
-        t_lo, t_hi = self.target_s[(b, lo)], self.target_s[(b, hi)]
-        frac = 0.0 if hi == lo else (width - lo) / (hi - lo)
-        return (t_lo + frac * (t_hi - t_lo)) * batch / b
+        return self._estimate(batch, width)
+
+    def _estimate(self, batch: int, width: int) -> float:
+        """t(B, T) unmeasured: T's cost relative to the narrowest width, from the nearest batch
+        size whose measurements start at width 1 and reach T (interpolated linearly), times
+        this batch's own narrowest step where measured (else the reference's, scaled by the
+        batch ratio).
+
+        The reference is chosen by coverage first, distance second, because the engine fills the
+        table as steps come: a batch size seen at one or two widths (a batch draining from 8 to
+        7 rows, its first step a wide one) would otherwise stand for every width it has not
+        seen, and widths it has not seen looked free (t(7, 1..5) all equal to the one measured
+        t(7, 5)), so wide steps were chosen where they lose."""
+        widths: dict[int, list[int]] = {}
+        for b, w in self.target_s:
+            widths.setdefault(b, []).append(w)
+        ref = min(widths, key=lambda b: (min(widths[b]) > 1, max(widths[b]) < width,
+                                         abs(b - batch), b))
+        ws = sorted(widths[ref])
+        narrowest = self.target_s[(ref, ws[0])]
+        own = self.target_s.get((batch, ws[0]))
+        base = own if own is not None else narrowest * batch / ref
+        return base * self._curve(ref, ws, width) / narrowest
+
+    def _curve(self, batch: int, widths: list[int], width: int) -> float:
+        """t(batch, width) through the measured `widths` of this batch (sorted): linear between
+        them; past the widest, the last measured segment's slope (at least PRIOR_SLOPE of the
+        narrowest step per position); below the narrowest, the narrowest."""
+        t = [self.target_s[(batch, w)] for w in widths]
+        if width >= widths[-1]:
+            slope = PRIOR_SLOPE * t[0]
+            if len(widths) > 1:
+                slope = max(slope, (t[-1] - t[-2]) / (widths[-1] - widths[-2]))
+            return t[-1] + (width - widths[-1]) * slope
+        if width <= widths[0]:
+            return t[0]
+        hi = next(i for i, w in enumerate(widths) if w >= width)
+        frac = (width - widths[hi - 1]) / (widths[hi] - widths[hi - 1])
+        return t[hi - 1] + frac * (t[hi] - t[hi - 1])
 
     def observe_target(self, batch: int, width: int, seconds: float) -> None:
         old = self.target_s.get((batch, width))
