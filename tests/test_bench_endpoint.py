@@ -7,6 +7,7 @@ a 500 or send a broken stream. Every address is loopback; every request loop is 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -194,6 +195,14 @@ class Fake:
     api_key: str | None = None
     drafts: int = 0  # vLLM counters, increased per finished request as below
     counts: dict[str, float] = field(default_factory=dict)
+    # structured output: a request carrying one of CONSTRAINT_FIELDS gets `honour` (streamed in
+    # `events` pieces, one token each) when set; else the usual "w0 w0 ..." text, as a server
+    # that ignores the constraint would send
+    honour: str | None = None
+    received: list[dict[str, Any]] = field(default_factory=list)  # every POSTed body
+
+
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar")
 
 
 def vllm_counters(fake: Fake) -> str:
@@ -235,37 +244,63 @@ def fake_app(fake: Fake) -> Starlette:
         return PlainTextResponse(vllm_counters(fake))
 
     async def chat(request: Request) -> Response:
+        return await answer(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await answer(request, chat=False)
+
+    async def answer(request: Request, chat: bool) -> Response:
         body = await request.json()
-        text = json.dumps(body.get("messages"))
+        fake.received.append(body)
+        text = json.dumps(body.get("messages" if chat else "prompt"))
         if fake.fail_on and fake.fail_on in text:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
-        return StreamingResponse(events(body["max_tokens"]), media_type="text/event-stream")
+        honour = fake.honour is not None and any(f in body for f in CONSTRAINT_FIELDS)
+        return StreamingResponse(events(body["max_tokens"], chat, honour),
+                                 media_type="text/event-stream")
 
-    async def events(max_tokens: int) -> AsyncIterator[str]:
+    def pieces(max_tokens: int, honour: bool) -> list[tuple[str, int]]:
+        """(text, tokens) of each text event."""
+        if honour:
+            assert fake.honour is not None
+            size = -(-len(fake.honour) // fake.events)
+            return [(fake.honour[i:i + size], 1) for i in range(0, len(fake.honour), size)]
+        n = min(fake.events, max(1, max_tokens // fake.tokens_per_event))
+        return [(" ".join(f"w{i}" for _ in range(fake.tokens_per_event)), fake.tokens_per_event)
+                for i in range(n)]
+
+    def event(text: str | None, chat: bool, finish: str | None = None) -> str:
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {} if text is None else
+                                      {"content": text}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish}
+        return "data: " + json.dumps({"choices": [choice]}) + "\n\n"
+
+    async def events(max_tokens: int, chat: bool, honour: bool) -> AsyncIterator[str]:
         if fake.malformed:
             yield "data: {not json\n\n"
             return
-        n = min(fake.events, max(1, max_tokens // fake.tokens_per_event))
-        yield 'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
-        for i in range(n):
+        if chat:
+            yield 'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
+        tokens = 0
+        for i, (text, n) in enumerate(pieces(max_tokens, honour)):
             if i:
                 await asyncio.sleep(fake.gap_s)
-            delta = {"content": " ".join(f"w{i}" for _ in range(fake.tokens_per_event))}
-            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
-                                                      "finish_reason": None}]}) + "\n\n"
+            yield event(text, chat)
+            tokens += n
             if fake.error_after and i + 1 == fake.error_after:
                 yield 'data: {"error": {"message": "engine died"}}\n\ndata: [DONE]\n\n'
                 return
-        tokens = n * fake.tokens_per_event
         count_request(fake, tokens)
         usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": tokens + 5}
-        yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {},
-                                                  "finish_reason": "length"}]}) + "\n\n"
+        yield event(None, chat, "stop" if honour else "length")
         yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
 
     return Starlette(routes=[Route("/v1/models", models), Route("/metrics", metrics),
-                             Route("/v1/chat/completions", chat, methods=["POST"])])
+                             Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"])])
 
 
 @contextmanager
@@ -414,6 +449,182 @@ def test_endpoint_arguments_are_checked() -> None:
             parse_endpoints(bad)
     code, _, err = run_cli(["bench", "--endpoint", "http://127.0.0.1:9", "--configs", "plain"])
     assert code == 2 and "--configs" in err
+
+
+# --------------------------------------------------------------------------- structured output
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+GRAMMAR = 'root ::= "n" [0-9]+'
+
+# kind, the prompt's constraint line, the API, the field expected in the body, a reply that
+# satisfies it, one that parses but does not
+CONSTRAINED = [
+    ("json-chat", {"json_schema": SCHEMA}, True, "response_format",
+     {"type": "json_schema", "json_schema": {"name": "p_1", "schema": SCHEMA}},
+     '{"name": "Ada", "age": 36}', '{"name": "Ada"}'),
+    ("json-completions", {"json_schema": SCHEMA}, False, "guided_json", SCHEMA,
+     '{"name":"Ada","age":36}', '{"name": "Ada", "age": -1}'),
+    ("regex", {"regex": "(yes|no)"}, True, "guided_regex", "(yes|no)", "yes", "yes!"),
+    ("grammar", {"grammar": GRAMMAR}, False, "guided_grammar", GRAMMAR, "n42", "n"),
+]
+
+
+def constrained_prompt(line: dict[str, Any]) -> Prompt:
+    """The prompt of a workload line carrying `line`'s constraint (checked as bench checks)."""
+    path_line = json.dumps({"prompt": "Tell me.", "id": "p 1", "category": "qa",
+                            "max_tokens": 16, **line})
+    return Prompt("p 1", "qa", ["Tell me."], max_tokens=16,
+                  constraint=_line_constraint(path_line))
+
+
+def _line_constraint(text: str) -> dict[str, str] | None:
+    from specdecode.bench.workloads import _constraint
+
+    return _constraint(json.loads(text))
+
+
+@pytest.mark.parametrize(("kind", "line", "chat", "field_name", "value", "good", "bad"),
+                         CONSTRAINED, ids=[c[0] for c in CONSTRAINED])
+def test_constraint_is_sent_and_the_output_judged_here(
+        kind: str, line: dict[str, Any], chat: bool, field_name: str, value: Any, good: str,
+        bad: str) -> None:
+    """The constraint reaches the server in the field OpenAI / vLLM name (and no other
+    constraint field); a reply that satisfies it is valid, one that does not (the server's
+    own claim of finishing notwithstanding) is not; forced tokens and mask time are unknown
+    (None), never 0; the probe carries no constraint."""
+    prompt = constrained_prompt(line)
+    for reply, expected in ((good, True), (bad, False)):
+        fake = Fake(honour=reply, events=3)
+        with fake_server(fake) as url:
+            (s,) = one_prompt_run(url, [prompt], chat=chat)
+        probe, sent = fake.received
+        assert not any(f in probe for f in CONSTRAINT_FIELDS)
+        assert sent[field_name] == value
+        assert [f for f in CONSTRAINT_FIELDS if f in sent] == [field_name]
+        assert ("messages" in sent) == chat and ("prompt" in sent) != chat
+        assert not s.failed and s.text == reply and s.valid is expected, (reply, s)
+        assert s.forced is None and s.mask_s is None and not s.problems()
+
+
+def test_a_server_that_ignores_the_constraint_gives_invalid_outputs_not_errors() -> None:
+    prompts = [constrained_prompt({"regex": "(yes|no)"}),
+               dataclasses.replace(constrained_prompt({"json_schema": SCHEMA}), id="q")]
+    fake = Fake()  # answers "w0 w0 w1 w1 ..." whatever it is asked
+    with fake_server(fake) as url:
+        samples = one_prompt_run(url, prompts, batch=2)
+    assert [s.valid for s in samples] == [False, False]
+    assert not any(s.failed for s in samples)
+    assert all(s.forced is None and s.mask_s is None for s in samples)
+    assert "guided_regex" in fake.received[1] and "response_format" in fake.received[2]
+
+
+def test_unconstrained_endpoint_samples_have_no_validity() -> None:
+    with fake_server(Fake()) as url:
+        (s,) = one_prompt_run(url, [Prompt("p", "qa", ["hi"], max_tokens=8)])
+    assert s.valid is None and s.forced is None and s.mask_s is None
+
+
+def test_bench_endpoint_structured_summary_and_report(tmp_path: Path) -> None:
+    """`bench --endpoint --regex`: an honouring and an ignoring server side by side; the flag's
+    constraint reaches both, validity is judged per output, the summary and both reports say
+    unknown (not 0) for forced tokens and mask time."""
+    lines = ['{"prompt": "Is it raining?", "id": "a"}', '{"prompt": "Is it cold?", "id": "b"}']
+    good, bad = Fake(honour="no", events=1), Fake()
+    with fake_server(good) as honours, fake_server(bad) as ignores:
+        out = tmp_path / "run"
+        code, stdout, err = run_cli([
+            "bench", "--endpoint", f"good={honours}", "--endpoint", f"bad={ignores}",
+            "--workload", str(workload_file(tmp_path, lines)), "--regex", "(yes|no)",
+            "--max-tokens", "8", "--out", str(out), "--quiet", "--resamples", "100"])
+    assert code == 0, err
+    for fake in (good, bad):  # the probe, the warm-up batch, the two measured requests
+        assert len(fake.received) == 4 and "guided_regex" not in fake.received[0]
+        assert all(b["guided_regex"] == "(yes|no)" for b in fake.received[1:])
+    results = read_results(out / "results.jsonl")
+    assert {(s.config, s.valid) for s in results.samples} == {("good", True), ("bad", False)}
+    summary = [x for x in stdout.splitlines() if x.startswith("structured output")]
+    assert summary == [
+        "structured output, bad at batch 1: 0/2 outputs valid; masks unknown; tokens forced "
+        "unknown",
+        "structured output, good at batch 1: 2/2 outputs valid; masks unknown; tokens forced "
+        "unknown"]
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    by_name = {c["spec"]["name"]: c["structured"] for c in report["analysis"]["configs"]}
+    assert by_name["good"]["n_valid"] == 2 and by_name["bad"]["n_valid"] == 0
+    for st in by_name.values():
+        assert st["n_constrained"] == 2
+        assert st["forced_tokens"] is None and st["mask_s"] is None
+        assert st["forced_share"] is None and st["mask_share"] is None
+    assert all(s["forced"] is None and s["mask_s"] is None for s in report["samples"])
+    html = (out / "report.html").read_text(encoding="utf-8")
+    section = html[html.index('id="structured"'):html.index('id="load"')]
+    assert "<td>unknown</td>" in section and "2/2" in section and "0/2" in section
+
+
+def test_bad_constraint_with_endpoint_fails_before_anything_is_sent(tmp_path: Path) -> None:
+    fake = Fake()
+    schema = tmp_path / "bad.json"
+    schema.write_text('{"type": "object", "properties": 3}', encoding="utf-8")
+    with fake_server(fake) as url:
+        for flags in (["--regex", "("], ["--json-schema", str(schema)],
+                      ["--regex", "a", "--grammar", str(schema)]):
+            code, _, err = run_cli(["bench", "--endpoint", url, *flags, "--out",
+                                    str(tmp_path / "run"), "--quiet"])
+            assert code == 2 and err.startswith("specdecode: error: "), err
+            assert err.count("specdecode: error:") == 1  # (llguidance's regex message spans lines)
+    assert fake.received == [] and not (tmp_path / "run" / "results.jsonl").exists()
+
+
+def test_a_schema_that_cannot_be_judged_here_fails_before_anything_is_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the JSON-schema validator the outputs could not be judged: one error naming the
+    flag and what to install, before the endpoint is asked anything."""
+    import sys
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(SCHEMA), encoding="utf-8")
+    monkeypatch.setitem(sys.modules, "jsonschema_rs", None)  # import fails
+    fake = Fake()
+    with fake_server(fake) as url:
+        code, _, err = run_cli(["bench", "--endpoint", url, "--json-schema", str(schema),
+                                "--out", str(tmp_path / "run"), "--quiet"])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--json-schema {schema}" in err and "jsonschema-rs" in err
+    assert fake.received == [] and not (tmp_path / "run" / "results.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_letters(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny checkpoint with a tokenizer llguidance can read (a token per printable ASCII
+    character, a byte-level decoder), so its server can constrain output."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    folder = make_checkpoint(tmp_path_factory.mktemp("endpoint") / "letters")
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    chars = [chr(c) for c in range(33, 127)]  # 94 characters: ids 0 and 2..94
+    vocab = {c: i + (i >= 1) for i, c in enumerate(chars)}
+    vocab["<eos>"] = 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    return load_model(str(folder))
+
+
+def test_this_server_honours_the_constraint_over_http(tiny_letters: LoadedModel) -> None:
+    """This package's own server, asked through the HTTP runner at concurrency 2 (a lookup
+    drafter, k = 4): its outputs satisfy the regex, judged here."""
+    prompts = [Prompt(i, "qa", [text], max_tokens=8, constraint=_line_constraint(
+        json.dumps({"prompt": text, "regex": "(yes|no)!"}))) for i, text in
+               (("a", "yes?"), ("b", "no?"))]
+    with serving(tiny_letters, drafter="ngram") as (srv, _):
+        samples = one_prompt_run(srv.url, prompts, batch=2)
+    assert all(not s.failed and s.valid is True for s in samples), [s.error for s in samples]
+    assert all(s.text in ("yes!", "no!") and s.forced is None for s in samples)
 
 
 # ------------------------------------------------------------------------------ pure functions

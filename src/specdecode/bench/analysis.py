@@ -467,13 +467,14 @@ class CategorySummary:
 class StructuredSummary:
     """Structured output of one configuration's constrained requests: how many outputs satisfy
     their constraint, the tokens it forced (emitted unscored) and its own cost, the time spent
-    computing masks against the requests' time."""
+    computing masks against the requests' time. `forced_tokens` and `mask_s` are None (unknown,
+    and their shares NaN) when any of the requests did not record them (a remote server's)."""
 
     n_constrained: int
     n_valid: int
     output_tokens: int
-    forced_tokens: int
-    mask_s: float
+    forced_tokens: int | None
+    mask_s: float | None
     request_s: float
 
     @property
@@ -482,16 +483,17 @@ class StructuredSummary:
 
     @property
     def forced_share(self) -> float:
-        return _ratio(self.forced_tokens, self.output_tokens)
+        return math.nan if self.forced_tokens is None else \
+            _ratio(self.forced_tokens, self.output_tokens)
 
     @property
     def mask_share(self) -> float:
         """Mask time / request time (the constraint's cost against the whole request)."""
-        return _ratio(self.mask_s, self.request_s)
+        return math.nan if self.mask_s is None else _ratio(self.mask_s, self.request_s)
 
     @property
     def mask_per_token_s(self) -> float:
-        return _ratio(self.mask_s, self.output_tokens)
+        return math.nan if self.mask_s is None else _ratio(self.mask_s, self.output_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "valid_share": self.valid_share,
@@ -504,12 +506,14 @@ def structured_summary(samples: Sequence[RequestSample]) -> StructuredSummary | 
     constrained = [s for s in samples if s.valid is not None]
     if not constrained:
         return None
+    forced = [s.forced for s in constrained]
+    masks = [s.mask_s for s in constrained]
     return StructuredSummary(
         n_constrained=len(constrained),
         n_valid=sum(1 for s in constrained if s.valid),
         output_tokens=sum(s.output_tokens for s in constrained),
-        forced_tokens=sum(s.forced for s in constrained),
-        mask_s=sum(s.mask_s for s in constrained),
+        forced_tokens=None if None in forced else sum(f for f in forced if f is not None),
+        mask_s=None if None in masks else sum(m for m in masks if m is not None),
         request_s=sum(s.latency_s for s in constrained),
     )
 

@@ -34,6 +34,13 @@ One request (one turn of one prompt):
   clients during a batch pollutes these counts. Without speculation counters on /metrics
   (or when a batch's counts cannot be its own) acceptance is unknown: every counter, steps
   included, is 0, so the report shows no rate rather than a false zero.
+- Structured output (`bench.http_constraints`): a prompt's constraint is sent as OpenAI's chat
+  `response_format` (a JSON schema) or vLLM's `guided_json` (completions), `guided_regex`,
+  `guided_grammar`, and each output is judged on this side from its text (`valid`): a server
+  that ignores the field shows up as invalid outputs, not as an error. Forced tokens and mask
+  time are the server's and not visible: `forced` and `mask_s` are None (unknown) on every
+  sample. `prepare` builds the judges before anything is sent (SpecDecodeError naming the
+  constraint when one cannot be judged).
 - A request that fails mid-run (HTTP error, broken or malformed stream, timeout) becomes a failed
   sample (`error` set) with whatever it measured; later turns of its prompt fail as not run.
 
@@ -56,6 +63,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from specdecode.bench.hardware import detect_hardware
+from specdecode.bench.http_constraints import Judges, request_fields
 from specdecode.bench.http_metrics import (
     BatchCounters,
     SpecCounters,
@@ -322,10 +330,14 @@ class HttpTurn:
     body: dict[str, Any]
 
 
-def make_sample(config: ConfigSpec, request: HttpTurn, stream: Stream) -> RequestSample:
-    """The sample of one streamed request (counters 0: see `with_counters`)."""
+def make_sample(config: ConfigSpec, request: HttpTurn, stream: Stream,
+                judges: Judges | None = None) -> RequestSample:
+    """The sample of one streamed request (counters 0: see `with_counters`); `valid` judged
+    from its text by `judges` when its prompt has a constraint, `forced` and `mask_s` unknown
+    (None)."""
     ttft, itl, tokens = timings(stream)
     text = "".join(t for _, t in stream.events)
+    valid = (judges or Judges()).valid(request.prompt.constraint, text)
     return RequestSample(
         config=config.name, batch_size=config.batch_size, prompt_id=request.prompt.id,
         category=request.prompt.category, turn=request.turn,
@@ -334,7 +346,8 @@ def make_sample(config: ConfigSpec, request: HttpTurn, stream: Stream) -> Reques
         drafted_per_pos=[], rejections=0, steps=0, draft_s=0.0, target_s=0.0, verify_s=0.0,
         output_token_ids=text_ids(text, tokens), text=text,
         temperature=float(request.body.get("temperature", 0.0)),
-        started_at=stream.started_at, error=stream.error,
+        started_at=stream.started_at, error=stream.error, valid=valid, forced=None,
+        mask_s=None,
     )
 
 
@@ -345,7 +358,8 @@ def not_run(config: ConfigSpec, prompt: Prompt, turn: int, why: str) -> RequestS
         category=prompt.category, turn=turn, prompt_tokens=0, output_tokens=0, ttft_s=0.0,
         itl_s=[], latency_s=0.0, drafted=0, accepted=0, accepted_per_pos=[],
         drafted_per_pos=[], rejections=0, steps=0, draft_s=0.0, target_s=0.0, verify_s=0.0,
-        output_token_ids=[], text="", started_at=time.time(), error=why,
+        output_token_ids=[], text="", started_at=time.time(), error=why, forced=None,
+        mask_s=None,
     )
 
 
@@ -409,6 +423,7 @@ class HttpRunner:
         self.chat = chat
         self.timeout = timeout
         self.info: dict[str, EndpointInfo] = {}
+        self.judges = Judges()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._loop = asyncio.new_event_loop()
         self._client = httpx.AsyncClient(
@@ -493,6 +508,13 @@ class HttpRunner:
             raise SpecDecodeError(f"test request failed: {stream.error}")
         return self.info[endpoint.name]
 
+    def prepare(self, prompts: Sequence[Prompt]) -> None:
+        """Build the judge of every prompt's constraint (bench.http_constraints) before anything
+        is sent: SpecDecodeError naming the constraint when one cannot be judged here."""
+        for prompt in prompts:
+            if prompt.constraint is not None:
+                self.judges.judge(prompt.constraint)
+
     def check(self, configs: Sequence[ConfigSpec]) -> None:
         """Probe every endpoint the configurations name, before anything is measured."""
         for name in dict.fromkeys(c.name for c in configs):
@@ -518,6 +540,9 @@ class HttpRunner:
                 "timing": "client side, per streamed event (see bench.http_runner)",
                 "acceptance": "per batch from /metrics deltas; traffic from other clients "
                               "during a batch pollutes it; unknown where not exported",
+                "structured": "constraints sent as response_format (chat JSON schema), "
+                              "guided_json, guided_regex, guided_grammar; outputs judged on "
+                              "this side; forced tokens and mask time unknown",
                 "baseline": next(iter(self.endpoints)),
                 "default_max_tokens": self.default_max_tokens,
                 "max_tokens_cap": self.max_tokens_cap, "request_timeout_s": self.timeout,
@@ -554,6 +579,7 @@ class HttpRunner:
             body["messages"] = conversation(turns, replies)
         else:
             body["prompt"] = joined_text(turns, replies)
+        body.update(request_fields(prompt.constraint, self.chat, prompt.id))
         return body
 
     def _counters(self, endpoint: Endpoint) -> SpecCounters | None:
@@ -610,7 +636,8 @@ class HttpRunner:
         before = self._counters(endpoint)
         streams = self._batch(endpoint, requests)
         after = self._counters(endpoint)
-        samples = [make_sample(config, r, s) for r, s in zip(requests, streams, strict=True)]
+        samples = [make_sample(config, r, s, self.judges)
+                   for r, s in zip(requests, streams, strict=True)]
         if not any(s.failed for s in samples):  # a failed request's work is in the delta too
             stopped = sum(s.finish_reason == "stop" for s in streams)
             with_counters(samples, batch_counters(counter_delta(before, after),

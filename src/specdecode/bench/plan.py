@@ -321,7 +321,8 @@ def constrain_workload(workload: Workload, spec: Any) -> Workload:
 
 def structured_lines(results_path: Path) -> list[str]:
     """Per configuration with constrained requests: outputs valid under their constraint, the
-    constraint's own cost (mask time against the request time) and the tokens it forced."""
+    constraint's own cost (mask time against the request time) and the tokens it forced
+    ("unknown" where not recorded: an endpoint's)."""
     from specdecode.bench.analysis import structured_summary
     from specdecode.bench.store import read_results
 
@@ -333,10 +334,12 @@ def structured_lines(results_path: Path) -> list[str]:
         st = structured_summary(samples)
         if st is None:
             continue
+        masks = "masks unknown" if st.mask_s is None else \
+            f"masks {st.mask_s:.2f} s = {st.mask_share:.1%} of request time"
+        forced = "tokens forced unknown" if st.forced_tokens is None else \
+            f"{st.forced_tokens}/{st.output_tokens} tokens forced (unscored)"
         lines.append(f"structured output, {name} at batch {batch}: {st.n_valid}/"
-                     f"{st.n_constrained} outputs valid; masks {st.mask_s:.2f} s = "
-                     f"{st.mask_share:.1%} of request time; {st.forced_tokens}/"
-                     f"{st.output_tokens} tokens forced (unscored)")
+                     f"{st.n_constrained} outputs valid; {masks}; {forced}")
     return lines
 
 
@@ -379,6 +382,7 @@ def make_http_runner(args: argparse.Namespace, plan: BenchPlan,
                         max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template,
                         timeout=args.request_timeout)
     try:
+        runner.prepare(plan.workload.prompts)  # judges of the constraints, before any request
         runner.check(plan.configs)
     except BaseException:
         runner.close()

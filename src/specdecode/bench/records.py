@@ -164,10 +164,11 @@ class RequestSample:
     rule: str = ""
     # structured output: whether the output satisfies the prompt's constraint (complete under
     # its grammar; None: no constraint), tokens the constraint forced (emitted unscored), and
-    # seconds spent computing its masks
+    # seconds spent computing its masks; those two are None where unknown (a remote server:
+    # bench.http_constraints)
     valid: bool | None = None
-    forced: int = 0
-    mask_s: float = 0.0
+    forced: int | None = 0
+    mask_s: float | None = 0.0
     # where the request came in the run (see above; defaults: files written before)
     arrival: int = -1
     repeat_group: str = ""

@@ -23,6 +23,7 @@ from specdecode.bench.workloads import prompts_from_description
 
 TEMPLATE = "report_template.html.j2"
 DASH = "–"
+UNKNOWN = "unknown"
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -114,7 +115,8 @@ def category_rows(analysis: Analysis) -> list[dict[str, Any]]:
 
 def structured_rows(analysis: Analysis) -> list[dict[str, Any]]:
     """One row per (config, batch size) with constrained requests: outputs valid against their
-    constraint, tokens forced (unscored), and the mask time against the request time."""
+    constraint, tokens forced (unscored), and the mask time against the request time ("unknown"
+    where not recorded: an endpoint's; their shares a dash)."""
     rows = []
     for s in analysis.configs:
         st = s.structured
@@ -124,9 +126,11 @@ def structured_rows(analysis: Analysis) -> list[dict[str, Any]]:
                      "valid": f"{st.n_valid}/{st.n_constrained}",
                      "valid_share": _num(st.valid_share * 100, 1),
                      "valid_class": "pass" if st.n_valid == st.n_constrained else "fail",
-                     "forced": f"{st.forced_tokens}/{st.output_tokens}",
+                     "forced": UNKNOWN if st.forced_tokens is None
+                     else f"{st.forced_tokens}/{st.output_tokens}",
                      "forced_share": _num(st.forced_share * 100, 1),
-                     "mask": _num(st.mask_s, 3), "request": _num(st.request_s, 2),
+                     "mask": UNKNOWN if st.mask_s is None else _num(st.mask_s, 3),
+                     "request": _num(st.request_s, 2),
                      "mask_share": _num(st.mask_share * 100, 2),
                      "mask_per_token": _num(st.mask_per_token_s * 1000, 3)})
     return rows

@@ -46,7 +46,10 @@ speculative server with a plain one, list the plain one first). --batch-sizes ar
 numbers of concurrent requests. --model is the model id to request (default: the first of GET
 /v1/models); --api-key (or $SPECDECODE_API_KEY) is sent as a Bearer token; --precision,
 --backend, --threads and --audit-samples do not apply; --no-chat-template sends raw text to
-/v1/completions instead of messages to /v1/chat/completions.
+/v1/completions instead of messages to /v1/chat/completions. A constraint (--json-schema,
+--regex, --grammar, or a workload line's own) is sent as chat response_format json_schema
+(completions: guided_json), guided_regex or guided_grammar, and each output is judged valid
+or not here, from its text; forced tokens and mask time are unknown over HTTP.
 """
 
 
