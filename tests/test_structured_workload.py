@@ -32,9 +32,11 @@ from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 pytest.importorskip("llguidance")
 
-CATEGORIES = ("extraction", "classification", "records")
+CATEGORIES = ("extraction", "classification", "records", "quotes")
 MIN_PROMPTS = 24
-MAX_TOKENS = 96  # every prompt's limit: small schemas finish well within it
+# every prompt's limit: small schemas finish well within it; a quote of up to 320 characters
+# (SmolLM2 wrote 30-92 tokens) within 128
+MAX_TOKENS = {"extraction": 96, "classification": 96, "records": 96, "quotes": 128}
 
 
 def _schema(p: Prompt) -> dict[str, Any]:
@@ -80,7 +82,8 @@ def test_structured_workload_loads_with_its_categories() -> None:
     assert set(counts) == set(CATEGORIES)
     assert all(n >= 6 for n in counts.values()), counts
     assert len({p.id for p in w.prompts}) == len(w.prompts)
-    assert all(p.max_tokens == MAX_TOKENS and p.temperature is None for p in w.prompts)
+    assert all(p.max_tokens == MAX_TOKENS[p.category] and p.temperature is None
+               for p in w.prompts)
     assert load_structured_workload(["records"], 2).known_categories == ["records"]
     assert len(load_structured_workload(["records"], 2).prompts) == 2
 
@@ -96,6 +99,8 @@ def test_every_schema_is_small_bounded_and_fits_its_category() -> None:
             assert 3 <= len(props) <= 6, p.id
         elif p.category == "classification":
             assert any("enum" in sub for sub in props.values()), p.id
+        elif p.category == "quotes":  # a verbatim span of the prompt: long, copied text
+            assert props["quote"]["type"] == "string" and props["quote"]["maxLength"] <= 320
         else:
             (array,) = props.values()
             assert array["type"] == "array" and array["maxItems"] <= 4, p.id
