@@ -37,7 +37,7 @@ JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
 ANY_JSON_OBJECT = '{"type": "object"}'
 
 
-def _llguidance() -> Any:
+def load_llguidance() -> Any:
     try:
         import llguidance
     except ImportError:
@@ -59,7 +59,7 @@ class ConstraintSpec:
     def grammar(self) -> str:
         """The llguidance grammar of this constraint, checked without a tokenizer; raises
         SpecDecodeError naming `origin` and the problem."""
-        llg = _llguidance()
+        llg = load_llguidance()
         if self.kind == "json_schema":
             grammar = llg.LLMatcher.grammar_from_json_schema(
                 _json_schema(self.text, self.origin), defaults=JSON_DEFAULTS)
@@ -70,7 +70,7 @@ class ConstraintSpec:
         else:
             raise SpecDecodeError(f"{self.origin}: unknown constraint kind {self.kind!r} "
                                   f"({', '.join(KINDS)})")
-        _check_grammar(grammar, None, self.origin)
+        check_grammar(grammar, None, self.origin)
         return str(grammar)
 
     def to_dict(self) -> dict[str, str]:
@@ -148,7 +148,7 @@ def _json_schema(text: str, origin: str) -> dict[str, Any] | bool:
 def _lark_grammar(text: str, origin: str) -> str:
     from llguidance.gbnf_to_lark import any_to_lark
 
-    llg = _llguidance()
+    llg = load_llguidance()
     try:
         lark = any_to_lark(text)  # GBNF is converted; Lark passes through
     except Exception as exc:  # the converter raises its own error types
@@ -156,8 +156,8 @@ def _lark_grammar(text: str, origin: str) -> str:
     return str(llg.LLMatcher.grammar_from_lark(lark))
 
 
-def _check_grammar(grammar: str, tokenizer: Any, origin: str) -> None:
-    message = _llguidance().LLMatcher.validate_grammar(grammar, tokenizer)
+def check_grammar(grammar: str, tokenizer: Any, origin: str) -> None:
+    message = load_llguidance().LLMatcher.validate_grammar(grammar, tokenizer)
     if message:
         raise SpecDecodeError(f"{origin}: {message.strip()}")
 
@@ -179,7 +179,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...] = ())
     eos = tuple(eos_ids) or tuple(tokenizer.eos_ids)
     if (vocab_size, eos) not in made:
         try:
-            made[vocab_size, eos] = _llguidance().LLTokenizer(
+            made[vocab_size, eos] = load_llguidance().LLTokenizer(
                 tokenizer.to_json(), n_vocab=vocab_size, eos_token=list(eos) or None)
         except ValueError as exc:
             raise SpecDecodeError(f"structured output: llguidance cannot use this tokenizer "
@@ -193,7 +193,7 @@ class Constraint:
     def __init__(self, spec: ConstraintSpec, ll_tok: Any, vocab_size: int) -> None:
         self.spec, self.ll_tokenizer, self.vocab_size = spec, ll_tok, vocab_size
         self.grammar = spec.grammar()
-        _check_grammar(self.grammar, ll_tok, spec.origin)
+        check_grammar(self.grammar, ll_tok, spec.origin)
         self.eos_ids = tuple(int(t) for t in ll_tok.eos_tokens)
         if not self.matcher().allowed([]).any():
             raise SpecDecodeError(f"{spec.origin}: no token of this vocabulary can start an "
@@ -222,7 +222,7 @@ class Matcher:
     """
 
     def __init__(self, constraint: Constraint) -> None:
-        llg = _llguidance()
+        llg = load_llguidance()
         self.constraint = constraint
         self.vocab_size = constraint.vocab_size
         self._m = llg.LLMatcher(constraint.ll_tokenizer, constraint.grammar, log_level=0)

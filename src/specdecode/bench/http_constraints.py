@@ -81,9 +81,9 @@ _BYTE_LL_TOKENIZER: list[Any] = []
 def byte_ll_tokenizer() -> Any:
     """llguidance's tokenizer over the byte vocabulary (made once)."""
     if not _BYTE_LL_TOKENIZER:
-        from specdecode.constraints import _llguidance
+        from specdecode.constraints import load_llguidance
 
-        llg = _llguidance()
+        llg = load_llguidance()
         _BYTE_LL_TOKENIZER.append(llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokenizer())))
     return _BYTE_LL_TOKENIZER[0]
 
@@ -132,13 +132,13 @@ class Judge:
         return check
 
     def _grammar_checker(self, constraint: dict[str, str]) -> Callable[[str], bool]:
-        from specdecode.constraints import ConstraintSpec, _check_grammar, _llguidance
+        from specdecode.constraints import ConstraintSpec, check_grammar, load_llguidance
 
-        llg = _llguidance()
+        llg = load_llguidance()
         spec = ConstraintSpec(constraint["kind"], constraint["text"], self.origin)
         grammar = spec.grammar()
         tokenizer = byte_ll_tokenizer()
-        _check_grammar(grammar, tokenizer, self.origin)
+        check_grammar(grammar, tokenizer, self.origin)
 
         def check(output: str) -> bool:
             matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
