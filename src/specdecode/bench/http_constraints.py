@@ -25,6 +25,7 @@ tokens it forced are not visible over HTTP: samples record them as unknown (None
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -75,17 +76,13 @@ class _ByteTokenizer:
         return list(text.encode("utf-8") if isinstance(text, str) else text)
 
 
-_BYTE_LL_TOKENIZER: list[Any] = []
-
-
+@functools.cache
 def byte_ll_tokenizer() -> Any:
     """llguidance's tokenizer over the byte vocabulary (made once)."""
-    if not _BYTE_LL_TOKENIZER:
-        from specdecode.constraints import load_llguidance
+    from specdecode.constraints import load_llguidance
 
-        llg = load_llguidance()
-        _BYTE_LL_TOKENIZER.append(llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokenizer())))
-    return _BYTE_LL_TOKENIZER[0]
+    llg = load_llguidance()
+    return llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokenizer()))
 
 
 def _reject_constant(name: str) -> Any:
