@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from specdecode.cli import build_parser
+from specdecode.cli.args import MEASUREMENT_FLAGS
 from tests.cli_run import run_cli as in_process
 from tests.conftest import make_checkpoint
 
@@ -117,3 +121,81 @@ def test_generate_on_a_small_hf_folder(tiny: Path) -> None:
     proc = run_cli("generate", "t2 t3 t4", "--model", str(tiny), "--max-tokens", "5", "--json")
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["token_ids"]) <= 5
+
+
+# ------------------------------------------------------------------ the shared measurement flags
+
+# Subcommands that run no model for inference, so take none of the measurement flags (or only
+# --threads): compare reads reports, export converts files, the trainers train the fp32 target.
+NO_MEASUREMENT_FLAGS = {"compare": (), "export": (), "train heads": ("--threads",),
+                        "train draft": ("--threads",)}
+
+
+def subcommands(parser: argparse.ArgumentParser, prefix: str = ""
+                ) -> dict[str, argparse.ArgumentParser]:
+    """Every (nested) subcommand's parser, by its command words."""
+    out: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = subcommands(sub, f"{prefix}{name} ")
+                out.update(inner or {f"{prefix}{name}": sub})
+    return out
+
+
+def measurement_flag_problems(parser: argparse.ArgumentParser) -> list[str]:
+    """Subcommands missing a measurement flag (beyond their stated exemption), and flags that
+    differ between subcommands (type, default or help)."""
+    problems, seen = [], {}
+    for name, sub in subcommands(parser).items():
+        flags = {o: a for a in sub._actions for o in a.option_strings}
+        wanted = NO_MEASUREMENT_FLAGS.get(name, MEASUREMENT_FLAGS)
+        problems += [f"{name}: no {f}" for f in wanted if f not in flags]
+        if name in NO_MEASUREMENT_FLAGS:
+            continue
+        for flag in MEASUREMENT_FLAGS:
+            if flag in flags:
+                a = flags[flag]
+                shape = (a.type, a.default, a.help)
+                if seen.setdefault(flag, (name, shape))[1] != shape:
+                    problems.append(f"{name}: {flag} differs from {seen[flag][0]}'s")
+    return problems
+
+
+def test_every_model_command_takes_the_same_measurement_flags() -> None:
+    parser = build_parser()
+    names = set(subcommands(parser))
+    assert {"generate", "audit", "costs", "bench", "tune", "serve"} <= names
+    assert set(NO_MEASUREMENT_FLAGS) <= names  # the exemptions name real commands
+    assert measurement_flag_problems(parser) == []
+
+
+def test_the_flag_check_catches_a_command_without_threads(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Broken variants: `generate` as it was (--model, --precision, --backend, no --threads),
+    and a `serve` whose --precision has another default."""
+    from specdecode.cli import generate
+
+    def old_model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None)
+        p.add_argument("--precision", default="fp32")
+        p.add_argument("--backend", default="auto")
+
+    parser = build_parser()
+    subcommands(parser)["serve"]._option_string_actions["--precision"].default = "bf16"
+    assert measurement_flag_problems(parser) == ["serve: --precision differs from generate's"]
+    monkeypatch.setattr(generate, "add_model_args", old_model_args)
+    assert "generate: no --threads" in measurement_flag_problems(build_parser())
+
+
+def test_generate_threads_is_applied_and_reported(tiny: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        proc = run_cli("generate", "t2 t3", "--model", str(tiny), "--max-tokens", "2",
+                       "--json", "--threads", "1")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["threads"] == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert_clean_error(run_cli("generate", "t2", "--model", str(tiny), "--threads", "0"),
+                       "--threads", "0")

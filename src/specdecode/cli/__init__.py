@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from specdecode.cli.args import apply_threads
 from specdecode.errors import SpecDecodeError
 
 DESCRIPTION = "The `specdecode` command line. Every user error is one line on stderr and exit " \
@@ -44,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line on `argv` (default: sys.argv); returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        apply_threads(args)
         return int(args.func(args))
     except SpecDecodeError as exc:
         print(f"specdecode: error: {exc}", file=sys.stderr)

@@ -11,9 +11,13 @@ from typing import Any
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import K_RANGE, RULES, valid_k
 
+MEASUREMENT_FLAGS = ("--precision", "--backend", "--threads")  # every model-running command
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --precision, --backend: the target every model-loading command takes."""
+    """--model and the measurement flags --precision, --backend, --threads: the target every
+    model-running command takes, and how it runs (the same on each, so a figure of one command
+    can be reproduced with another: `generate` at the threads `bench` measured with)."""
     p.add_argument("--model", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--precision", default="fp32",
@@ -21,12 +25,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto",
                    help="auto | native | transformers | llama.cpp (auto: native where the "
                         "family has one; llama.cpp: the GGUF on llama.cpp, docs/llamacpp.md)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads, also llama.cpp's (default: torch's choice; stated in "
+                        "bench reports)")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's thread count from --threads (where the command has it and it is given),
+    checked, before anything loads."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise SpecDecodeError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def add_measurement_args(p: argparse.ArgumentParser) -> None:
-    """--threads and --no-chat-template: how `bench` and `tune` run their workload."""
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's choice; stated in the report)")
+    """--no-chat-template: how `bench` and `tune` send their workload's turns."""
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the raw turns instead of the model's chat template")
 

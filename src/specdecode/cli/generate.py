@@ -34,6 +34,8 @@ def register(sub: Any) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
     from specdecode.api import auto_steps
     from specdecode.drafters.registry import drafter_factory
     from specdecode.engine import Generation
@@ -72,6 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "seed": gen.seed, "rule": params.rule, "model": loaded.describe(),
             "drafter": args.drafter,
             "k": "auto" if args.auto else gen.k,
+            "threads": torch.get_num_threads(),
             "timings": {"load_s": loaded.load_seconds, "ttft_s": first, "total_s": total,
                         "tokens_per_s": len(gen.output) / total if total else None},
             "counters": gen.counters.to_dict(),
