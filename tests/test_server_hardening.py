@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import h11
 import httpx
 import pytest
 
 from specdecode.models.loading import LoadedModel
+from specdecode.server.connections import request_began
 from specdecode.server.tokens import PromptEncoder
 from tests.test_server import metric, serving, tiny, wait_for  # noqa: F401  (tiny: a fixture)
 
@@ -287,8 +289,9 @@ def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") ->
 def test_slow_clients_are_cut_while_others_are_served(tiny: LoadedModel) -> None:  # noqa: F811
     """Slowloris: a connection that sends nothing, one that sends its headers a byte at a
     time, and a keep-alive one that trickles its second request are closed once the header
-    timeout (1 s here) passes; a body sent a byte at a time gets a 408 once the body timeout
-    (1 s) passes. Meanwhile normal requests are served. (Before: all stayed open.)"""
+    timeout (1 s here) passes (the two that began a request counted as header_timeout); a
+    body sent a byte at a time gets a 408 once the body timeout (1 s) passes. Meanwhile normal
+    requests are served. (Before: all stayed open.)"""
     from specdecode.cli import serve as cli
     from specdecode.server import connections, state
 
@@ -356,5 +359,77 @@ def test_slow_clients_are_cut_while_others_are_served(tiny: LoadedModel) -> None
         assert all(c is not None and 0.8 < c < 2.5 for c in closed), closed
         assert reply.startswith(b"HTTP/1.1 408") and body_s is not None and body_s < 2.5, reply
         assert b"request_timeout" in reply
-        assert metric(srv, "requests_refused_total", reason="header_timeout") == 3
+        # the silent connection began no request: closed, not counted (issue 37)
+        assert metric(srv, "requests_refused_total", reason="header_timeout") == 2
         assert metric(srv, "requests_refused_total", reason="request_timeout") == 1
+
+
+def test_idle_connections_are_closed_but_not_counted(tiny: LoadedModel) -> None:  # noqa: F811
+    """Issue 37: a keep-alive connection left idle after a finished request, and a connection
+    that never sends a byte, are closed at the header deadline without a count in
+    requests_refused_total{reason="header_timeout"} (before: each counted 1); a request whose
+    first bytes arrived but not its headers still counts."""
+    with serving(tiny, drafter="none", header_timeout=1.0) as (srv, _):
+        host, port = "127.0.0.1", int(srv.url.rsplit(":", 1)[1])
+
+        def idle_after_request() -> float | None:
+            with socket.create_connection((host, port)) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                sock.settimeout(10)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+                return _closed_within(sock, 5)
+
+        def silent() -> float | None:
+            with socket.create_connection((host, port)) as sock:
+                return _closed_within(sock, 5)
+
+        def partial_headers() -> float | None:
+            with socket.create_connection((host, port)) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                sock.settimeout(10)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+                sock.sendall(b"GET /heal")  # the next request begins, its headers never end
+                return _closed_within(sock, 5)
+
+        with ThreadPoolExecutor(3) as pool:
+            idle = [pool.submit(f) for f in (idle_after_request, silent)]
+            began = pool.submit(partial_headers)
+            closed = [f.result(timeout=30) for f in (*idle, began)]
+        assert all(c is not None and 0.8 < c < 2.5 for c in closed), closed
+        assert metric(srv, "requests_refused_total", reason="header_timeout") == 1
+
+
+def _counts_every_close(conn: h11.Connection) -> bool:
+    """The old rule (broken variant): every connection closed at the deadline was counted."""
+    return True
+
+
+@pytest.mark.parametrize("began", [request_began, _counts_every_close],
+                         ids=["request_began", "broken-counts-every-close"])
+def test_only_a_begun_request_counts(began: Callable[[h11.Connection], bool]) -> None:
+    """The rule on h11's state, step by step: nothing received (a fresh connection, or after a
+    complete exchange) is idle; the first bytes of a request line, or headers missing their
+    end, are a request begun. The old rule fails here."""
+    def judge() -> list[bool]:
+        conn = h11.Connection(h11.SERVER)
+        seen = [began(conn)]  # fresh: idle
+        conn.receive_data(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        while not isinstance(conn.next_event(), h11.EndOfMessage):
+            pass
+        conn.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
+        conn.send(h11.EndOfMessage())
+        conn.start_next_cycle()
+        seen.append(began(conn))  # after a finished request: idle
+        conn.receive_data(b"GET /he")
+        assert conn.next_event() is h11.NEED_DATA
+        seen.append(began(conn))  # a request line begun
+        conn.receive_data(b"alth HTTP/1.1\r\nHost: x\r\n")
+        assert conn.next_event() is h11.NEED_DATA
+        seen.append(began(conn))  # headers without their end
+        return seen
+
+    expected = [False, False, True, True]
+    if began is _counts_every_close:
+        assert judge() != expected
+    else:
+        assert judge() == expected

@@ -4,7 +4,10 @@ uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but any
 resets that timer, and a new connection has no timer at all: a client that opens connections
 and sends its headers a byte at a time (slowloris) holds them open forever. Here a connection
 must deliver a request's complete headers within `header_timeout` seconds of opening, or of its
-previous response ending; otherwise it is closed (counted as `header_timeout` by the observer).
+previous response ending; otherwise it is closed. Only a request that began, whose first bytes
+arrived but not its complete headers, is counted (`header_timeout`, by the observer): a
+connection that sent nothing since it opened or since its last response (an idle keep-alive
+connection, a client's spare connection) asked for nothing, and is closed without a count.
 The body has its own limit (`BodyLimitMiddleware`'s body timeout: a 408).
 
 `create_app` records the app's `ConnectionLimits` on `app.state.connection_limits`, where
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("specdecode.server")
@@ -29,7 +33,8 @@ HEADER_TIMEOUT_S = 10.0
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout: float = HEADER_TIMEOUT_S
-    on_header_timeout: Callable[[], None] | None = None  # told of each connection closed
+    # told of each request closed before its headers arrived (not of idle connections)
+    on_header_timeout: Callable[[], None] | None = None
 
 
 def limits_of(app: Any) -> ConnectionLimits:
@@ -78,10 +83,22 @@ def protocol_class(limits: ConnectionLimits) -> type[H11Protocol]:
             self._deadline = None
             if self.cycle is not self._waiting_after or self.transport.is_closing():
                 return
-            log.info("closing a connection from %s: no complete request headers within %g s",
-                     self.client, limits.header_timeout)
-            if limits.on_header_timeout is not None:
-                limits.on_header_timeout()
+            if request_began(self.conn):
+                log.info("closing a connection from %s: no complete request headers within "
+                         "%g s", self.client, limits.header_timeout)
+                if limits.on_header_timeout is not None:
+                    limits.on_header_timeout()
+            else:
+                log.debug("closing a connection from %s: idle for %g s", self.client,
+                          limits.header_timeout)
             self.transport.close()
 
     return HeaderDeadlineProtocol
+
+
+def request_began(conn: h11.Connection) -> bool:
+    """Whether a new request's first bytes are waiting for the rest of its headers: the client
+    is between requests (IDLE) and h11 holds bytes it could not yet parse. (h11 refuses a
+    leading empty line with a 400, so held bytes are always the start of a request line; bytes
+    of an earlier request's unread body leave the client in SEND_BODY, not IDLE.)"""
+    return conn.their_state is h11.IDLE and bool(conn.trailing_data[0])

@@ -28,8 +28,9 @@ Names follow vLLM's (without its "vllm:" prefix), so one scraper or report reads
 - requests_refused_total{reason}: requests answered with an error instead of a generation, by
   error code (server_busy: the 429 of a full queue; shutting_down; invalid_value,
   context_length_exceeded, ...: 4xx; request_too_large; request_timeout; invalid_api_key;
-  not_found; internal_error: a 500), and header_timeout for connections closed before their
-  request's headers arrived.
+  not_found; internal_error: a 500), and header_timeout for requests whose first bytes arrived
+  but not their complete headers within --header-timeout (a connection closed idle at that
+  deadline, having sent nothing since it opened or since its last response, is not counted).
 
 Every series carries the label model_name. Counters and histograms are thread-safe: the engine
 thread updates the speculation counters and gauges, the event loop the per-request ones.
