@@ -5,6 +5,7 @@ bounded) never gets a 5xx or a hang."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +18,9 @@ from schemathesis import GenerationMode
 
 from specdecode.models.loading import LoadedModel
 from specdecode.server.background import BackgroundServer
+from specdecode.server.prometheus import REFUSED_REASONS
 from specdecode.server.state import ServerState
-from tests.test_server import serving, tiny, wait_for  # noqa: F401  (tiny: a fixture)
+from tests.test_server import metric, serving, tiny, wait_for  # noqa: F401  (tiny: a fixture)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -29,6 +31,10 @@ OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "t3"}], "ma
 CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("invalid-json", COMPLETIONS, b'{"model": "tiny",', 400, None, "invalid_json"),
     ("not-an-object", COMPLETIONS, b"[1, 2]", 400, None, "invalid_body"),
+    # issue 37: these two had code null, counted as reason http_400
+    ("not-utf8", CHAT, b'{"model": "\xff\xfe", "messages": []}', 400, None, "invalid_json"),
+    ("nested-100k-deep", CHAT, b'{"model": "tiny", "messages": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}", 400, None, "invalid_json"),
     ("missing-model", COMPLETIONS, {"prompt": "t3"}, 400, "model", "missing_field"),
     ("missing-prompt", COMPLETIONS, {"model": "tiny"}, 400, "prompt", "missing_field"),
     ("missing-messages", CHAT, {"model": "tiny"}, 400, "messages", "missing_field"),
@@ -136,6 +142,23 @@ def test_bad_request_gets_4xx_with_openai_error(
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert (error["param"], error["code"]) == (param, code), error
     assert not state.worker.engine.busy and state.inflight == 0
+
+
+def test_every_refusal_is_counted_under_a_documented_reason(
+        plain_server: tuple[BackgroundServer, Any]) -> None:
+    """Issue 37's probe: a body that is not UTF-8 and one nested 100k deep are counted as
+    invalid_json; whatever this module sent before, /metrics counts no reason outside
+    REFUSED_REASONS (the list docs/serving.md gives: tests/test_server_docs.py)."""
+    srv, _ = plain_server
+    before = metric(srv, "requests_refused_total", reason="invalid_json")
+    for body in (b'{"model": "\xff\xfe", "messages": []}', b"[" * 100_000 + b"]" * 100_000):
+        response = httpx.post(srv.url + CHAT, content=body, timeout=30,
+                              headers={"Content-Type": "application/json"})
+        assert response.json()["error"]["code"] == "invalid_json", response.text
+    assert metric(srv, "requests_refused_total", reason="invalid_json") == before + 2
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    reasons = set(re.findall(r'^requests_refused_total\{[^}]*reason="([^"]+)"', text, re.M))
+    assert reasons and reasons <= REFUSED_REASONS, reasons
 
 
 @pytest.mark.parametrize("key", ["\u00b2", "\u0661", "9" * 5000, "96", " 3"])

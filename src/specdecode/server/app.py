@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from specdecode.sampling import SamplingParams
 from specdecode.server import allocator, prepare, shutdown
-from specdecode.server.connections import ConnectionLimits
+from specdecode.server.connections import HEADER_TIMEOUT, ConnectionLimits
 from specdecode.server.isolation import credential
 from specdecode.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from specdecode.server.openai_errors import APIError, UnexpectedErrorMiddleware, install_handlers
@@ -56,7 +56,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     install_handlers(app, observe)
     app.state.connection_limits = ConnectionLimits(
-        state.header_timeout, lambda: state.metrics.observe_refused("header_timeout"))
+        state.header_timeout, lambda: state.metrics.observe_refused(HEADER_TIMEOUT))
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.max_body_bytes,
                        timeout=state.body_timeout, observe=observe)
     if state.api_key:

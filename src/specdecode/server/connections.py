@@ -28,6 +28,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("specdecode.server")
 
 HEADER_TIMEOUT_S = 10.0
+HEADER_TIMEOUT = "header_timeout"  # the reason requests_refused_total counts them under
 
 
 @dataclass(frozen=True)

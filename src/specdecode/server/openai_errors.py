@@ -6,6 +6,10 @@ unexpected into a 500 with the same body shape, logged once (a handler registere
 would let Starlette re-raise it, and uvicorn would log a second traceback), so no client ever
 sees a traceback or an empty reply. Every error answered is passed to an observer (the server
 counts them by code in /metrics: requests_refused_total{reason}).
+
+Every error carries a code from `ERROR_CODES` (a status without a code of its own gets its
+status's default), so the reasons /metrics counts are a closed set, the one docs/serving.md
+lists (tests/test_server_docs.py compares them).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("specdecode.server")
 
 _TYPES = {
+    400: ("invalid_request_error", "invalid_value"),
     401: ("authentication_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
@@ -34,6 +39,15 @@ _TYPES = {
 }
 
 
+# every code an error body can carry: the reasons requests_refused_total counts, with
+# server.connections' header_timeout (prometheus.REFUSED_REASONS)
+ERROR_CODES = frozenset({
+    "invalid_json", "invalid_body", "missing_field", "invalid_value",
+    "unsupported_value", "context_length_exceeded", "no_chat_template", "model_not_found",
+    "invalid_api_key", "not_found", "method_not_allowed", "request_timeout",
+    "request_too_large", "server_busy", "shutting_down", "unavailable", "internal_error",
+})
+
 _TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "typed-dict"})
 
 
@@ -44,18 +58,20 @@ class APIError(Exception):
                  code: str | None = None, error_type: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        default_type, default_code = _TYPES.get(status, ("invalid_request_error", None))
+        default_type, default_code = _TYPES.get(status, _TYPES[500 if status >= 500 else 400])
         self.status = status
         self.message = message
         self.param = param
-        self.code = code or default_code
+        self.code: str = code or default_code
+        if self.code not in ERROR_CODES:  # a programming error: each code is documented
+            raise ValueError(f"error code {self.code!r} is not in ERROR_CODES")
         self.error_type = error_type or default_type
         self.headers = dict(headers or {})  # e.g. Retry-After on a 429 or a 503
 
     @property
     def reason(self) -> str:
-        """The label this error is counted under: its code, else its status."""
-        return self.code or f"http_{self.status}"
+        """The label this error is counted under in /metrics: its code."""
+        return self.code
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
@@ -114,6 +130,19 @@ def validation_api_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param, "invalid_value")
 
 
+def unreadable_body_error(cause: BaseException) -> APIError:
+    """The 400 for a JSON body FastAPI's parser raised on with something other than a JSON
+    syntax error (that one is `json_invalid`): bytes that are not UTF-8, or nesting deeper
+    than Python's parser recurses."""
+    if isinstance(cause, UnicodeDecodeError):
+        detail = f"it is not UTF-8: {cause.reason} at byte {cause.start}"
+    elif isinstance(cause, RecursionError):
+        detail = "its arrays or objects are nested too deeply"
+    else:
+        detail = f"{type(cause).__name__}"
+    return APIError(400, f"the request body is not valid JSON ({detail})", code="invalid_json")
+
+
 def install_handlers(app: FastAPI, observe: Observer = ignore_error) -> None:
     """Register the handlers that give every error the OpenAI body shape (add
     UnexpectedErrorMiddleware for the rest); `observe` is told of each error answered."""
@@ -133,6 +162,8 @@ def install_handlers(app: FastAPI, observe: Observer = ignore_error) -> None:
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         status = exc.status_code if 400 <= exc.status_code < 600 else 400
+        if status == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+            return answer(unreadable_body_error(exc.__cause__), dict(exc.headers or {}))
         message = str(exc.detail) if exc.detail else "request refused"
         if status == 404:
             message = f"no route {request.method} {request.url.path}"

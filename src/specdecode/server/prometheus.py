@@ -30,7 +30,8 @@ Names follow vLLM's (without its "vllm:" prefix), so one scraper or report reads
   context_length_exceeded, ...: 4xx; request_too_large; request_timeout; invalid_api_key;
   not_found; internal_error: a 500), and header_timeout for requests whose first bytes arrived
   but not their complete headers within --header-timeout (a connection closed idle at that
-  deadline, having sent nothing since it opened or since its last response, is not counted).
+  deadline, having sent nothing since it opened or since its last response, is not counted);
+  `REFUSED_REASONS` is the closed set (docs/serving.md lists it).
 
 Every series carries the label model_name. Counters and histograms are thread-safe: the engine
 thread updates the speculation counters and gauges, the event loop the per-request ones.
@@ -52,9 +53,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from specdecode.memory import peak_rss_bytes
+from specdecode.server.connections import HEADER_TIMEOUT
+from specdecode.server.openai_errors import ERROR_CODES
 from specdecode.suffix import SuffixStore
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# every reason requests_refused_total counts (docs/serving.md lists the same)
+REFUSED_REASONS = ERROR_CODES | {HEADER_TIMEOUT}
 
 
 def _peak_rss_bytes() -> float:

@@ -156,7 +156,7 @@ class EngineWorker:
         try:
             self.engine.submit(gen)
         except SpecDecodeError as exc:
-            _deliver(command.deliver, EngineFailure(str(exc), 400))
+            _deliver(command.deliver, EngineFailure(str(exc), 400, "invalid_value"))
             return True
         self._tracked[gen] = _Tracked(command.deliver)
         return True
