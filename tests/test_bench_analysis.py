@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from specdecode.bench.analysis import (
+    _base_summary,
     acceptance,
     analyze,
     bootstrap_ci,
     break_even_c,
+    chunk_gaps,
     cost_at,
     distribution,
     ecdf,
@@ -21,10 +23,11 @@ from specdecode.bench.analysis import (
     percentile,
     pooled_percentile_replicates,
     predicted_speedup,
+    tpot,
     wall_time,
 )
 from specdecode.bench.harness import make_header
-from specdecode.bench.records import CostCurve, RequestSample
+from specdecode.bench.records import ConfigSpec, CostCurve, RequestSample
 from specdecode.bench.store import Results
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
@@ -276,3 +279,21 @@ def test_token_identity_pairs_greedy_and_seeded_invariant_requests_only() -> Non
     assert bad is not None and not bad.passed and bad.n_failed == 1 and "prompt s" in bad.details
     mine[2] = dataclasses.replace(mine[2], output_token_ids=[9] * 10)  # residual: not compared
     assert token_identity_audit(spec, base, mine, theirs).n_failed == 1  # type: ignore[union-attr]
+
+
+def test_tpot_and_chunk_gaps_are_what_a_streaming_client_sees() -> None:
+    """A speculative request: TTFT 0.1 s, then steps emitting 3, 1 and 4 tokens 0.2 s apart.
+    Per-token ITL has a median of 0 (the tokens after each step's first); TPOT and the gaps
+    between chunks are the figures a client compares."""
+    spec = sample(tokens=9, latency=0.7, itl_s=[0.2, 0, 0, 0.2, 0.2, 0, 0, 0])
+    assert tpot(spec) == pytest.approx(0.6 / 8)
+    assert chunk_gaps(spec) == [0.2, 0.2, 0.2]
+    one = dataclasses.replace(sample(), output_tokens=1, itl_s=[], latency_s=0.1)
+    assert math.isnan(tpot(one))
+    s = _base_summary(ConfigSpec("ngram", "ngram", 3), [spec, one])
+    assert s.itl.p50 == 0.0 and s.itl.n == 8
+    assert (s.chunk_gap.n, s.chunk_gap.p50) == (3, pytest.approx(0.2))
+    assert (s.tpot.n, s.tpot.p50) == (1, pytest.approx(0.075))
+    # broken variants: TPOT with the first token's wait in it, gaps as the per-token ITL
+    assert spec.latency_s / spec.output_tokens != pytest.approx(s.tpot.p50)
+    assert distribution(spec.itl_s).p50 != pytest.approx(s.chunk_gap.p50)

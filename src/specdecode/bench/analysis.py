@@ -9,6 +9,12 @@ Choices, stated once:
   (the same prompt and turn measured plain and speculative), at batch > 1 whole batch groups
   of them (the requests of one batch share its timing, `batch_clusters`); inter-token
   latencies resample whole requests (tokens of one request are not independent).
+- Latency: TTFT and request latency per request; TPOT (time per output token) per request,
+  (latency - TTFT) / (tokens - 1), over requests of two tokens or more; inter-chunk gaps, every
+  gap between successive chunks of output a client receives (the tokens of one speculative step
+  arrive together: one chunk); per-token ITL, every output token after the first (a chunk of m
+  tokens counts its gap and m - 1 zeros, so its median is 0 where most steps accept a draft).
+  Percentiles of TPOT are over requests, of gaps and ITL over all gaps or tokens pooled.
 - A configuration's throughput is its output tokens divided by its wall time, the wall time
   being the sum, over its batch groups and turns, of the slowest request's latency.
 - Speedup of a speculative configuration is measured against the plain configuration at the
@@ -365,8 +371,22 @@ def _pairs(
     return out
 
 
-def _tpot(s: RequestSample) -> float:
+def _time_per_token(s: RequestSample) -> float:
+    """Latency over output tokens, time to first token included (the median ratio's unit)."""
     return s.latency_s / s.output_tokens
+
+
+def tpot(s: RequestSample) -> float:
+    """Time per output token after the first: (latency - TTFT) / (tokens - 1), NaN for a
+    request of fewer than two tokens (vLLM's benchmark defines it the same way)."""
+    return (s.latency_s - s.ttft_s) / (s.output_tokens - 1) if s.output_tokens > 1 else math.nan
+
+
+def chunk_gaps(s: RequestSample) -> list[float]:
+    """The gaps between successive chunks of output the client received after the first: the
+    tokens of one step (or one streamed event) arrive together as one chunk, recorded as one
+    interval followed by zeros (see `records`), so the chunk gaps are the non-zero intervals."""
+    return [x for x in s.itl_s if x > 0]
 
 
 def _median_ratio(x: np.ndarray) -> np.ndarray:
@@ -398,8 +418,8 @@ def measure_speedup(
     pairs = _pairs(spec, plain)
     if not pairs:
         return None
-    data = np.array([[_tpot(p), _tpot(s), p.output_tokens, p.latency_s, s.output_tokens,
-                      s.latency_s, p.output_tokens - 1, p.latency_s - p.ttft_s,
+    data = np.array([[_time_per_token(p), _time_per_token(s), p.output_tokens, p.latency_s,
+                      s.output_tokens, s.latency_s, p.output_tokens - 1, p.latency_s - p.ttft_s,
                       s.output_tokens - 1, s.latency_s - s.ttft_s] for p, s in pairs],
                     dtype=float)
     per_request = [float(a / b) if b > 0 else math.nan for a, b in data[:, :2]]
@@ -590,9 +610,10 @@ class ConfigSummary:
     wall_s: float
     throughput_tok_s: float
     ttft: Distribution
-    itl: Distribution
+    itl: Distribution  # per output token: a step of m tokens is one interval and m - 1 zeros
     latency: Distribution
-    tpot: Distribution
+    tpot: Distribution  # per request: (latency - TTFT) / (tokens - 1)
+    chunk_gap: Distribution  # between chunks of output as the client receives them
     acceptance: Acceptance
     by_category: dict[str, CategorySummary] = field(default_factory=dict)
     speedup: Speedup | None = None
@@ -636,7 +657,8 @@ def _base_summary(spec: ConfigSpec, samples: Sequence[RequestSample]) -> ConfigS
         ttft=distribution([s.ttft_s for s in samples]),
         itl=distribution([x for s in samples for x in s.itl_s]),
         latency=distribution([s.latency_s for s in samples]),
-        tpot=distribution([_tpot(s) for s in samples if s.output_tokens > 0]),
+        tpot=distribution([tpot(s) for s in samples if s.output_tokens > 1]),
+        chunk_gap=distribution([x for s in samples for x in chunk_gaps(s)]),
         acceptance=acceptance(samples),
         structured=structured_summary(samples),
     )

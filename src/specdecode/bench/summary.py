@@ -18,9 +18,10 @@ def _f(x: float, digits: int = 2, scale: float = 1.0) -> str:
 def config_lines(analysis: Analysis, s: ConfigSummary) -> list[str]:
     """Two lines for one configuration: timing, then acceptance and speedup (speculative)."""
     lines = [f"  {s.spec.name:<18} {_f(s.throughput_tok_s, 1)} tok/s, TTFT p50 "
-             f"{_f(s.ttft.p50, 0, 1000)} ms, ITL p50/p99 {_f(s.itl.p50, 1, 1000)}/"
-             f"{_f(s.itl.p99, 1, 1000)} ms, latency p50/p99 {_f(s.latency.p50)}/"
-             f"{_f(s.latency.p99)} s ({s.n_requests} requests)"]
+             f"{_f(s.ttft.p50, 0, 1000)} ms, TPOT p50/p99 {_f(s.tpot.p50, 1, 1000)}/"
+             f"{_f(s.tpot.p99, 1, 1000)} ms, inter-chunk gap p50/p99 "
+             f"{_f(s.chunk_gap.p50, 1, 1000)}/{_f(s.chunk_gap.p99, 1, 1000)} ms, latency "
+             f"p50/p99 {_f(s.latency.p50)}/{_f(s.latency.p99)} s ({s.n_requests} requests)"]
     if s.spec.is_plain:
         return lines
     a = s.acceptance
