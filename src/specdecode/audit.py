@@ -26,9 +26,12 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
+from specdecode.limits import AUDIT_POWER, AUDIT_REAL_TV
 from specdecode.sampling import SamplingParams
 
 Outcome = tuple[int, ...]
+POWER, TV_REAL = AUDIT_POWER, AUDIT_REAL_TV
+CELLS = 30  # outcome cells: the most frequent sequences (the rest pooled into one more)
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class AuditResult:
     cells: int | None = None
     mismatches: int = 0
     acceptance_rate: float | None = None
-    detectable_tv: float | None = None  # TV this sample size catches with power 0.99
+    detectable_tv: float | None = None  # TV this sample size catches with power POWER
     identical: int | None = None  # rule invariant: seeds whose speculative output is plain's
 
     def render(self) -> str:
@@ -60,7 +63,7 @@ class AuditResult:
             f"  estimated TV distance {self.tv_estimate:.3f}, upper bound {self.tv_upper:.3f} at "
             f"{self.confidence:.0%} confidence\n"
             f"  chi-square homogeneity p = {self.p_value:.3g} (fail below {self.false_alarm:g}); "
-            f"detects TV >= {self.detectable_tv:.2f} with power 0.99\n"
+            f"detects TV >= {self.detectable_tv:.2f} with power {POWER:g}\n"
             f"  speculative accepted/drafted during the audit: {acc}"
             + ("" if self.identical is None else
                f"\n  seeded identity (rule invariant): {self.identical}/{self.samples} seeds "
@@ -111,7 +114,7 @@ def _grouped(a: Counter[Outcome], b: Counter[Outcome], cells: int) -> tuple[list
 
 def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
                   make_drafter: Callable[[], Drafter], k: int, samples: int, tokens: int = 2,
-                  false_alarm: float = 1e-3, cells: int = 30, seed: int = 0,
+                  false_alarm: float = 1e-3, cells: int = CELLS, seed: int = 0,
                   eos: tuple[int, ...] = (), progress: Callable[[int], None] | None = None,
                   constraint: Any = None) -> AuditResult:
     if tokens < 2:
@@ -167,9 +170,16 @@ def _speculative(model: Any, prompt: list[int], params: SamplingParams,
 
 
 def _detectable_tv(samples: int, false_alarm: float, cells: int) -> float:
-    """Smallest TV on a 0.01 grid that `samples` per side detect with power 0.99."""
+    """Smallest TV on a 0.01 grid that `samples` per side detect with power POWER."""
     for step in range(1, 101):
         tv = step / 100
-        if required_samples(tv, false_alarm, 0.99, max(2, cells), two_sample=True) <= samples:
+        if required_samples(tv, false_alarm, POWER, max(2, cells), two_sample=True) <= samples:
             return tv
     return 1.0
+
+
+def samples_to_detect(tv: float, false_alarm: float, cells: int = CELLS + 1) -> int:
+    """Samples per side a sampled audit needs to detect a TV distance of `tv` with power POWER
+    (at most `cells` outcome cells: more cells need more samples, so the default is an upper
+    bound for `audit_sampled`'s grouping)."""
+    return required_samples(tv, false_alarm, POWER, max(2, cells), two_sample=True)

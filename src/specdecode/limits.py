@@ -10,6 +10,9 @@ SUFFIX_ISOLATION = ("user", "shared")
 K_RANGE = f"1..{MAX_K}"  # as error messages and help texts write it
 RULES = ("invariant", "residual")  # how sampled drafts are verified (SamplingParams.rule)
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # any signed or unsigned 64-bit seed (noise: mod 2**64)
+# the sampled audit states its sample size by the TV distance it detects with AUDIT_POWER; a
+# real audit detects AUDIT_REAL_TV (the bench's default one is a smoke check: far larger)
+AUDIT_POWER, AUDIT_REAL_TV = 0.99, 0.1
 
 
 def valid_k(value: object) -> bool:

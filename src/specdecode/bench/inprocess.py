@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from specdecode import engine
-from specdecode.audit import audit_sampled
+from specdecode.audit import POWER, TV_REAL, audit_sampled, samples_to_detect
 from specdecode.bench.costcurves import cost_curve, repeating_context, target_rows
 from specdecode.bench.peers import LlamaCppPeers, is_peer
 from specdecode.bench.records import (
@@ -337,6 +337,7 @@ class InProcessRunner:
                         "backend_version": self.loaded.backend_version(),
                         "exactness": self.loaded.exactness(),
                         "torch": torch.__version__, "specdecode": __version__,
+                        "chat": self.chat,  # False: --no-chat-template
                         "chat_template": self.chat and
                         self.loaded.tokenizer.chat_template is not None,
                         "default_max_tokens": self.default_max_tokens,
@@ -580,8 +581,11 @@ class InProcessRunner:
         details = (f"temperature {request.params.temperature:g}, prompt {request.prompt.id}: "
                    f"first {r.tokens} tokens, {r.samples} plain vs {r.samples} speculative "
                    f"samples at batch size 1; TV estimate {r.tv_estimate:.3f} (upper bound "
-                   f"{r.tv_upper:.3f}); detects TV >= {r.detectable_tv:.2f} with power 0.99; "
+                   f"{r.tv_upper:.3f}); detects TV >= {r.detectable_tv:.2f} with power {POWER:g}; "
                    f"fails when p < {r.false_alarm:g}")
         return AuditVerdict(config=config.name, passed=r.passed, method="sampled-chi-square",
                             n_compared=r.samples, n_failed=0 if r.passed else 1,
-                            details=details, p_value=r.p_value)
+                            details=details, p_value=r.p_value, detectable_tv=r.detectable_tv,
+                            samples_needed=samples_to_detect(TV_REAL, r.false_alarm),
+                            false_alarm=r.false_alarm, temperature=request.params.temperature,
+                            prompt_id=request.prompt.id, turn=request.turn)

@@ -350,7 +350,10 @@ class AuditVerdict:
     temperature 0; "seeded-token-identity": also seeded sampled requests under the invariant
     rule, which must equal plain decoding's with the same seed; or a distribution test).
     `n_compared` counts what was compared (requests or samples), `n_failed` how many failed;
-    `p_value` is set by statistical tests.
+    `p_value` is set by statistical tests. A sampled audit also states its power and what it
+    audited (None / "" in files written before): `detectable_tv`, the TV distance its samples
+    detect with probability `audit.POWER`; `samples_needed`, the samples per side that detect
+    `audit.TV_REAL`; its `false_alarm` rate, `temperature`, and the prompt and turn it ran.
     """
 
     config: str
@@ -361,6 +364,12 @@ class AuditVerdict:
     details: str = ""
     batch_size: int | None = None
     p_value: float | None = None
+    detectable_tv: float | None = None
+    samples_needed: int | None = None
+    false_alarm: float | None = None
+    temperature: float | None = None
+    prompt_id: str = ""
+    turn: int | None = None
 
     def to_dict(self) -> JsonDict:
         return asdict(self)
