@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import re
 from pathlib import Path
 
 import pytest
+from markupsafe import Markup
 
 from specdecode.bench.analysis import analyze, arrival_slices, warmup_summary
 from specdecode.bench.harness import BenchOptions, make_header, run_bench
 from specdecode.bench.recommend import recommend
-from specdecode.bench.records import ConfigSpec, CostCurve, RequestSample
-from specdecode.bench.report_html import fmt_bytes, render_html, warmup_rows
+from specdecode.bench.records import AuditVerdict, ConfigSpec, CostCurve, RequestSample
+from specdecode.bench.report_html import (
+    SUMMARY_COLUMNS,
+    audit_power,
+    boundary_figures,
+    fmt_bytes,
+    line_figure,
+    render_html,
+    speedup_histograms,
+    warmup_rows,
+)
 from specdecode.bench.store import Results
 from specdecode.bench.summary import render_summary
-from specdecode.bench.svg import nice_ticks
+from specdecode.bench.svg import Series, nice_ticks
 from specdecode.bench.workloads import Prompt, load_repetitive_workload
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 SECTIONS = ("recommendation", "summary", "latency", "acceptance", "speedup", "boundary",
-            "categories", "audit", "memory", "costs", "workload")
+            "categories", "audit", "memory", "costs", "glossary", "workload")
 EVIL = "<script>alert('x')</script>"
 
 
@@ -53,8 +64,12 @@ def test_report_has_every_section_and_figure() -> None:
     html = html_of(evil_results())
     for section in SECTIONS:
         assert f'id="{section}"' in html, section
-    # 3 latency CDFs, 1 acceptance, 1 speedup, 2 histograms, 2 boundary maps (k=4 and k=2)
-    assert html.count("<svg") == 3 + 1 + 1 + 2 + 2
+    # 4 latency CDFs (TTFT, TPOT, inter-chunk gap, latency), 1 acceptance, 2 histograms, 2
+    # boundary maps (k=4 and k=2); speedup against batch size at one batch size: a note
+    assert html.count("<svg") == 4 + 1 + 2 + 2
+    assert "Measured at one batch size (1)" in html
+    for figure in ("TTFT CDF", "TPOT CDF", "Inter-chunk gap CDF", "Request latency CDF"):
+        assert f"{figure}, batch size 1" in html
     assert "batch size 1" in html
     assert "fake-135m" in html and "2 torch threads" in html
     assert "--speculative-config" in html
@@ -93,6 +108,88 @@ def test_terminal_summary_lists_every_config_at_its_batch_size() -> None:
         assert f"  {name}" in text
     assert "speedup" in text and "report: out/report.html" in text
     assert len(text.splitlines()) <= 12
+
+
+def test_the_summary_table_keeps_to_the_key_columns_and_the_rest_is_still_there() -> None:
+    """The main table: config, batch, tok/s, the two speedups, audit; the latency, acceptance
+    and detail tables hold the rest, each figure once under its own name."""
+    html = html_of(evil_results())
+    assert [c.header for c in SUMMARY_COLUMNS] == [
+        "config", "batch size", "throughput (tok/s)", "speedup (CI)",
+        "speedup after the first token (CI)", "audit"]
+    for header in ("TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "inter-chunk gap p50 / p99 (ms)",
+                   "request latency p50 / p99 (s)", "per-token ITL p50 / p99 (ms)",
+                   "accepted / drafted", "mean acceptance length", "predicted speedup",
+                   "speedup (median ratio, CI)", "machine load"):
+        assert f">{header}</a></th>" in html, header
+    assert "<details" in html
+    for term in ("tpot", "chunk-gap", "itl", "ttft", "alpha"):  # the headers' glossary entries
+        assert f'href="#term-{term}"' in html and f'id="term-{term}"' in html
+    assert "per-token ITL</dt>" in html and "m - 1 zeros" in html
+
+
+def test_terminal_summary_shows_tpot_and_chunk_gaps_not_per_token_itl() -> None:
+    analysis = analyze(evil_results(), n_resamples=50)
+    text = render_summary(analysis, recommend(analysis))
+    assert "TPOT p50/p99" in text and "inter-chunk gap p50/p99" in text and "ITL" not in text
+
+
+def test_a_chart_of_one_x_value_is_a_table_or_a_note() -> None:
+    one = [Series("a<b", [4.0, 4.0], [0.5, 1.0]), Series("c", [4.0], [0.7])]
+    table = str(line_figure(one, title="T", x_label="x", y_label="y"))
+    assert "<svg" not in table and "<caption>T</caption>" in table and "a&lt;b" in table
+    assert str(line_figure(one, title="T", x_label="x", y_label="y",
+                           fallback=Markup("<p>note</p>"))) == "<p>note</p>"
+    two = [Series("a", [1.0, 2.0], [0.5, 1.0])]
+    assert str(line_figure(two, title="T", x_label="x", y_label="y")).startswith("<svg")
+
+
+def test_chart_labels_are_never_cut() -> None:
+    """The legend shows each label in full and a chart widens to hold a long one (the old
+    legend cut labels at 22 characters: "ngram+w4a16-k3 (S=2.93")."""
+    long_name = "ngram-lookup-over-the-whole-conversation-so-far-k2"
+    results = evil_results()
+    results.header.configs.append(ConfigSpec(long_name, drafter="ngram", k=2))
+    for sample in list(results.samples_of(("we<ird>", 1))):
+        results.add(dataclasses.replace(sample, config=long_name))
+    analysis = analyze(results, n_resamples=50)
+    maps = [str(m) for m in boundary_figures(analysis)]
+    label = next(m for m in maps if long_name in m)
+    s = analysis.summary(long_name, 1)
+    assert s is not None and f"{long_name} (S={s.predicted_speedup:.2f})</text>" in label
+    hist = next(str(h) for h in speedup_histograms(analysis) if long_name in str(h))
+    width = int(re.search(r'width="(\d+)"', hist).group(1))  # type: ignore[union-attr]
+    assert width > 560  # its title would not fit the default width
+
+
+def test_the_audit_section_states_its_power_and_the_command_for_a_real_audit() -> None:
+    results = evil_results()
+    results.header.runner["details"] = {"backend": "native", "source": "/models/my model",
+                                        "chat_template": True}
+    results.add(AuditVerdict(config="ngram-k4", passed=True, method="sampled-chi-square",
+                             n_compared=60, n_failed=0, batch_size=1, p_value=0.5,
+                             detectable_tv=0.76, samples_needed=3391, false_alarm=1e-3,
+                             temperature=0.8, prompt_id="p4", turn=1))
+    analysis = analyze(results, n_resamples=50)
+    [power] = audit_power(analysis)
+    assert power["smoke"] and power["tv"] == "0.76" and power["needed"] == 3391
+    assert power["command"] == (
+        "specdecode audit --model '/models/my model' --precision fp32 --backend native "
+        "--threads 2 --drafter ngram --k 4 --temperature 0.8 --prompt 'first question' "
+        "--samples 3391 --false-alarm 0.001")
+    assert power["caveats"] == [  # the fake ngram config's options, the conversation's turn
+        "the drafter option ngram_max=3 is not a flag of specdecode audit: it audits the "
+        "drafter's default",
+        "the drafter option ngram_min=1 is not a flag of specdecode audit: it audits the "
+        "drafter's default",
+        "the run audited turn 2 of conversation p4; the command audits its first turn"]
+    html = html_of(results)
+    assert "This is a smoke check" in html and "60 samples per side detect" in html
+    assert "needs 3391 samples per side" in html
+    # a verdict written before the power was recorded: no power statement, no command
+    results.audits[-1] = dataclasses.replace(results.audits[-1], detectable_tv=None,
+                                             samples_needed=None)
+    assert audit_power(analyze(results, n_resamples=50)) == []
 
 
 def test_small_helpers() -> None:

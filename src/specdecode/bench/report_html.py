@@ -2,28 +2,121 @@
 
 The page is rendered by jinja2 with autoescaping on, so every user-provided string (prompts,
 category and config names, model names) is HTML-escaped; the SVG figures escape their own
-labels (see `svg`) and are the only markup inserted unescaped.
+labels (see `svg`), and with the small tables that stand in for charts (`line_figure`, built
+with markupsafe's escape) are the only markup inserted unescaped.
+
+Layout, for a reader on a laptop or a narrow window (the browser test renders it at 1200 and
+800 px): tables are declared as columns (`Column`) and drawn by one template macro, each narrow
+enough to fit; a chart with fewer than two x values is not drawn (a table or a note instead).
 """
 
 from __future__ import annotations
 
 import math
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from specdecode.bench import interference, svg
-from specdecode.bench.analysis import Analysis, ConfigSummary, Interval, ecdf, histogram
+from specdecode.bench.analysis import (
+    Analysis,
+    ConfigSummary,
+    Interval,
+    chunk_gaps,
+    ecdf,
+    histogram,
+    tpot,
+)
 from specdecode.bench.hardware import describe_hardware
 from specdecode.bench.recommend import Recommendation
+from specdecode.bench.records import AuditVerdict, ConfigSpec, RunHeader
 from specdecode.bench.store import atomic_write_text
-from specdecode.bench.workloads import prompts_from_description
+from specdecode.bench.workloads import Prompt, prompts_from_description
+from specdecode.limits import AUDIT_POWER, AUDIT_REAL_TV
 
 TEMPLATE = "report_template.html.j2"
 DASH = "–"
 UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a report table: the row's `key` it shows, its header, whether it holds
+    text (left-aligned), the row key holding its cells' CSS class (if any), and the glossary
+    entry its header links to (`term-<term>` in the page; "" for none). Every table of the
+    report is drawn from its columns by the template's one macro, `data_table`."""
+
+    key: str
+    header: str
+    text: bool = False
+    css: str = ""
+    term: str = ""
+    wrap: bool = False  # long text: may break anywhere rather than widen the table
+
+
+CONFIG = Column("name", "config", text=True)
+BATCH = Column("batch", "batch size")
+# The summary's key figures; the others are split into narrower tables that fit beside them.
+SUMMARY_COLUMNS = (CONFIG, BATCH, Column("throughput", "throughput (tok/s)", term="throughput"),
+                   Column("speedup", "speedup (CI)", term="speedup"),
+                   Column("decode_speedup", "speedup after the first token (CI)",
+                          term="after-first"),
+                   Column("audit", "audit", css="audit_class", term="audit"))
+LATENCY_COLUMNS = (CONFIG, BATCH, Column("n", "requests"),
+                   Column("ttft", "TTFT p50 / p99 (ms)", term="ttft"),
+                   Column("tpot", "TPOT p50 / p99 (ms)", term="tpot"),
+                   Column("chunk_gap", "inter-chunk gap p50 / p99 (ms)", term="chunk-gap"),
+                   Column("latency", "request latency p50 / p99 (s)", term="latency"))
+ACCEPTANCE_COLUMNS = (CONFIG, BATCH, Column("drafter", "drafter", text=True), Column("k", "k"),
+                      Column("temperature", "temp."),
+                      Column("rate", "accepted / drafted", term="rate"),
+                      Column("alpha", "alpha", term="alpha"),
+                      Column("mal", "mean acceptance length", term="mal"),
+                      Column("predicted", "predicted speedup", term="predicted"))
+DETAIL_COLUMNS = (CONFIG, BATCH, Column("tokens", "output tokens"),
+                  Column("median_speedup", "speedup (median ratio, CI)", term="median"),
+                  Column("itl", "per-token ITL p50 / p99 (ms)", term="itl"),
+                  Column("load", "machine load", css="load_class", term="load"))
+STRUCTURED_COLUMNS = (CONFIG, BATCH, Column("valid", "outputs valid", css="valid_class"),
+                      Column("valid_share", "valid (%)"),
+                      Column("forced", "tokens forced / output tokens"),
+                      Column("forced_share", "forced (%)"), Column("mask", "mask time (s)"),
+                      Column("request", "request time (s)"),
+                      Column("mask_share", "mask time / request time (%)"),
+                      Column("mask_per_token", "mask time per token (ms)"))
+LOAD_COLUMNS = (CONFIG, BATCH, Column("n_requests", "requests"),
+                Column("n_read", "with a reading"),
+                Column("n_disturbed", "disturbed", css="disturbed_class"),
+                Column("mean", "other processes + steal, mean (cores)"),
+                Column("worst", "worst batch (cores)"), Column("own", "this process (cores)"),
+                Column("load1", "1-min load average, max"))
+WARMUP_COLUMNS = (CONFIG, BATCH, Column("slice", "slice", text=True), Column("n", "requests"),
+                  Column("rate", "accepted / drafted", term="rate"),
+                  Column("alpha", "alpha", term="alpha"),
+                  Column("mal", "mean acceptance length", term="mal"),
+                  Column("speedup", "speedup (total ratio)", term="speedup"))
+AUDIT_COLUMNS = (CONFIG, BATCH, Column("method", "method", text=True),
+                 Column("verdict", "verdict", css="verdict_class"),
+                 Column("n_compared", "compared"), Column("n_failed", "failed"),
+                 Column("p_value", "p-value"),
+                 Column("details", "details", text=True, wrap=True))
+MEMORY_COLUMNS = (CONFIG, BATCH, Column("target_weights", "target weights"),
+                  Column("draft_weights", "draft weights"), Column("target_kv", "target KV"),
+                  Column("draft_kv", "draft KV"), Column("draft_store", "draft store"),
+                  Column("peak_rss", "peak RSS"))
+COST_COLUMNS = (Column("drafter", "drafter", text=True), Column("config", "config", text=True),
+                BATCH, Column("k", "k"), Column("c", "c(k)"), Column("v", "v(k)"),
+                Column("step", "target step (ms)"))
+CATEGORY_COLUMNS = (CONFIG, BATCH, Column("category", "category", text=True),
+                    Column("n", "requests"), Column("rate", "accepted / drafted", term="rate"),
+                    Column("alpha", "alpha", term="alpha"),
+                    Column("mal", "mean acceptance length", term="mal"),
+                    Column("speedup", "speedup (total ratio)", term="speedup"))
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -84,6 +177,8 @@ def summary_rows(analysis: Analysis) -> list[dict[str, Any]]:
             "temperature": "per prompt" if s.spec.temperature is None else s.spec.temperature,
             "throughput": _num(s.throughput_tok_s, 1),
             "ttft": _pair(s.ttft.p50, s.ttft.p99, 1000, 0),
+            "tpot": _pair(s.tpot.p50, s.tpot.p99, 1000, 1),
+            "chunk_gap": _pair(s.chunk_gap.p50, s.chunk_gap.p99, 1000, 1),
             "itl": _pair(s.itl.p50, s.itl.p99, 1000, 1),
             "latency": _pair(s.latency.p50, s.latency.p99, 1, 2),
             "rate": _num(a.rate), "alpha": _num(a.alpha), "mal": _num(a.mean_acceptance_length),
@@ -93,7 +188,7 @@ def summary_rows(analysis: Analysis) -> list[dict[str, Any]]:
             "predicted": _num(s.predicted_speedup) + (f" ({s.cost_source})" if s.cost_source
                                                       else ""),
             "audit": audit, "audit_class": audit_class, "load": load_text,
-            "load_class": load_class,
+            "load_class": load_class, "plain": s.spec.is_plain,
         })
     return rows
 
@@ -156,6 +251,24 @@ def warmup_rows(analysis: Analysis) -> list[dict[str, Any]]:
     return rows
 
 
+def line_figure(series: Sequence[svg.Series], *, title: str, x_label: str, y_label: str,
+                fallback: Markup | None = None, **options: Any) -> Markup:
+    """A line chart, or where its series have fewer than two distinct x values (one batch
+    size, one draft position, one measured batch: an axis around a single point reads as a
+    broken chart) `fallback`, by default a small table of the points."""
+    if len(svg.x_values(series)) >= 2:
+        return Markup(svg.line_chart(series, title=title, x_label=x_label, y_label=y_label,
+                                     **options))
+    if fallback is not None:
+        return fallback
+    rows = "".join(f'<tr><td class="l">{escape(s.label)}</td><td>{_num(x, 3)}</td>'
+                   f"<td>{_num(y, 3)}</td></tr>"
+                   for s in series for x, y in zip(s.xs, s.ys, strict=True))
+    return Markup(f'<table class="points"><caption>{escape(title)}</caption><tr>'
+                  f'<th class="l">series</th><th>{escape(x_label)}</th>'
+                  f"<th>{escape(y_label)}</th></tr>{rows}</table>")
+
+
 def warmup_figures(analysis: Analysis) -> list[Markup]:
     """Per batch size: mean acceptance length of each slice of the run by arrival (at the
     slice's middle request), one line per speculative configuration with repeat groups."""
@@ -171,10 +284,10 @@ def warmup_figures(analysis: Analysis) -> list[Markup]:
                 [x.acceptance.mean_acceptance_length for x in slices],
                 color_index=_slot(analysis, s.spec.name)))
         if series:
-            out.append(Markup(svg.line_chart(
+            out.append(line_figure(
                 series, title=f"Cold to warm, batch size {batch}",
                 x_label="request in arrival order (middle of each slice)",
-                y_label="mean acceptance length", y_range=(1.0, None))))
+                y_label="mean acceptance length", y_range=(1.0, None)))
     return out
 
 
@@ -184,26 +297,36 @@ def _slot(analysis: Analysis, name: str) -> int:
     return names.index(name) if name in names else len(names)
 
 
+# (title, x label, y label, values of one request) of each latency CDF, in the report's order
+LATENCY_CDFS: tuple[tuple[str, str, str, Any], ...] = (
+    ("TTFT", "time to first token (ms)", "fraction of requests",
+     lambda x: [x.ttft_s * 1000]),
+    ("TPOT", "time per output token after the first (ms)", "fraction of requests",
+     lambda x: [t * 1000 for t in [tpot(x)] if math.isfinite(t)]),
+    ("Inter-chunk gap", "gap between chunks of output received (ms)", "fraction of gaps",
+     lambda x: [t * 1000 for t in chunk_gaps(x)]),
+    ("Request latency", "request latency (s)", "fraction of requests",
+     lambda x: [x.latency_s]),
+)
+
+
 def latency_figures(analysis: Analysis) -> list[dict[str, Any]]:
-    """Per batch size: CDFs of TTFT, ITL and request latency, one line per config."""
-    metrics = (("TTFT", "time to first token (ms)", lambda x: [x.ttft_s * 1000]),
-               ("ITL", "inter-token latency (ms)", lambda x: [t * 1000 for t in x.itl_s]),
-               ("Request latency", "request latency (s)", lambda x: [x.latency_s]))
+    """Per batch size: CDFs of TTFT, TPOT, inter-chunk gaps and request latency, one line per
+    config."""
     groups = []
     for batch in analysis.batch_sizes:
         configs = [s for s in analysis.configs if s.spec.batch_size == batch]
         figures = []
-        for title, label, get in metrics:
+        for title, x_label, y_label, get in LATENCY_CDFS:
             series = []
             for s in configs:
                 values = [v for x in analysis.results.samples_of(s.key) for v in get(x)]
                 xs, ys = ecdf(values)
                 series.append(svg.Series(s.spec.name, xs, ys, step=True,
                                          color_index=_slot(analysis, s.spec.name)))
-            figures.append(Markup(svg.line_chart(
-                series, title=f"{title} CDF, batch size {batch}", x_label=label,
-                y_label="fraction of requests" if title != "ITL" else "fraction of tokens",
-                y_range=(0.0, 1.0))))
+            figures.append(line_figure(
+                series, title=f"{title} CDF, batch size {batch}", x_label=x_label,
+                y_label=y_label, y_range=(0.0, 1.0)))
         groups.append({"batch": batch, "figures": figures})
     return groups
 
@@ -218,15 +341,16 @@ def acceptance_figures(analysis: Analysis) -> list[Markup]:
             for s in analysis.configs if s.spec.batch_size == batch and not s.spec.is_plain
             and s.acceptance.by_position]
         if series:
-            out.append(Markup(svg.line_chart(
+            out.append(line_figure(
                 series, title=f"Acceptance by position, batch size {batch}",
                 x_label="draft position", y_label="accepted / drafted there",
-                y_range=(0.0, 1.0))))
+                y_range=(0.0, 1.0)))
     return out
 
 
 def speedup_figure(analysis: Analysis) -> Markup:
-    """Measured speedup (total ratio, CI bars) against batch size, one line per config."""
+    """Measured speedup (total ratio, CI bars) against batch size, one line per config; a note
+    instead where one batch size was measured."""
     by_name: dict[str, list[ConfigSummary]] = {}
     for s in analysis.configs:
         if s.speedup is not None:
@@ -241,9 +365,12 @@ def speedup_figure(analysis: Analysis) -> Markup:
                                  color_index=_slot(analysis, name)))
     if not series:
         return Markup("<p>No speculative configuration with a plain baseline.</p>")
-    return Markup(svg.line_chart(series, title="Speedup vs batch size (95% CI)",
-                                 x_label="batch size", y_label="speedup over plain (x)",
-                                 hline=1.0))
+    sizes = ", ".join(str(b) for b in analysis.batch_sizes)
+    note = Markup(f"<p>Measured at one batch size ({sizes}): the speedup is in the summary "
+                  "above. Measure several (<code>--batch-sizes 1,4,8</code>) to see how it "
+                  "changes with batch size.</p>")
+    return line_figure(series, title="Speedup vs batch size (95% CI)", x_label="batch size",
+                       y_label="speedup over plain (x)", hline=1.0, fallback=note)
 
 
 def speedup_histograms(analysis: Analysis) -> list[Markup]:
@@ -279,8 +406,9 @@ def boundary_figures(analysis: Analysis) -> list[Markup]:
 
 def load_rows(load: interference.LoadReport) -> list[dict[str, Any]]:
     """One formatted row per (config, batch size) for the machine-load table."""
-    return [{"config": c.config, "batch_size": c.batch_size, "n_requests": c.n_requests,
+    return [{"name": c.config, "batch": c.batch_size, "n_requests": c.n_requests,
              "n_read": c.n_read, "n_disturbed": c.n_disturbed,
+             "disturbed_class": "fail" if c.n_disturbed else "",
              "mean": _num(c.mean_taken_cores), "worst": _num(c.max_taken_cores),
              "own": _num(c.mean_own_cores), "load1": _num(c.max_load1)} for c in load.configs]
 
@@ -301,11 +429,10 @@ def load_figure(analysis: Analysis) -> Markup:
             series.append(svg.Series(f"{c.spec.name} (batch {c.spec.batch_size})",
                                      [x for x, _ in points], [y for _, y in points],
                                      color_index=_slot(analysis, c.spec.name)))
-    return Markup(svg.line_chart(series, title="Other processes + steal through the run",
-                                 x_label="seconds since the first measured batch",
-                                 y_label="cores busy with other work", y_range=(0.0, None),
-                                 hline=interference.threshold_cores(
-                                     header, header.hardware.cpu_cores)))
+    return line_figure(series, title="Other processes + steal through the run",
+                       x_label="seconds since the first measured batch",
+                       y_label="cores busy with other work", y_range=(0.0, None),
+                       hline=interference.threshold_cores(header, header.hardware.cpu_cores))
 
 
 def _load_context(analysis: Analysis) -> dict[str, Any]:
@@ -319,10 +446,82 @@ def _load_context(analysis: Analysis) -> dict[str, Any]:
             "threshold_cores": interference.threshold_cores(results.header, load.cores)}
 
 
+# config options that are flags of `specdecode audit` (the others it cannot take)
+AUDIT_OPTION_FLAGS = {"model": "--draft-model", "heads": "--heads", "distilled": "--distilled",
+                      "kmax": "--kmax"}
+
+
+def audit_command(header: RunHeader, spec: ConfigSpec, verdict: AuditVerdict,
+                  prompt: Prompt | None) -> tuple[str, list[str]]:
+    """The `specdecode audit` command that repeats a sampled audit of this run with
+    `verdict.samples_needed` samples per side (the target, measurement flags, drafter, k,
+    temperature and prompt the run used), and what it cannot repeat."""
+    details = header.runner.get("details") or {}
+    argv = ["specdecode", "audit"]
+    if details.get("source"):
+        argv += ["--model", str(details["source"])]
+    argv += ["--precision", header.model.precision]
+    if details.get("backend"):
+        argv += ["--backend", str(details["backend"])]
+    argv += ["--threads", str(header.hardware.torch_threads), "--drafter", spec.drafter,
+             "--k", str(spec.k)]
+    caveats = []
+    for key, value in spec.options.items():
+        if key in AUDIT_OPTION_FLAGS:
+            argv += [AUDIT_OPTION_FLAGS[key], str(value)]
+        else:
+            caveats.append(f"the drafter option {key}={value} is not a flag of specdecode "
+                           "audit: it audits the drafter's default")
+    argv += ["--temperature", f"{verdict.temperature:g}"] if verdict.temperature else []
+    if prompt is not None and prompt.turns:
+        argv += ["--prompt", prompt.turns[0]]
+        if verdict.turn:
+            caveats.append(f"the run audited turn {verdict.turn + 1} of conversation "
+                           f"{prompt.id}; the command audits its first turn")
+        if prompt.constraint:
+            caveats.append("the prompt has a structured-output constraint: add it with "
+                           "--json-schema, --regex or --grammar")
+    if details.get("chat") is False:
+        caveats.append("the run sent raw turns (--no-chat-template); the audit applies the "
+                       "model's chat template")
+    argv += ["--samples", str(verdict.samples_needed)]
+    if verdict.false_alarm is not None:
+        argv += ["--false-alarm", f"{verdict.false_alarm:g}"]
+    return shlex.join(argv), caveats
+
+
+def audit_power(analysis: Analysis) -> list[dict[str, Any]]:
+    """Per sampled audit that states its power (one per config and temperature: its verdict
+    is reused at every batch size): the TV distance it detects, whether that makes it a smoke
+    check (it detects only distances above AUDIT_REAL_TV), and the command of an audit that
+    detects AUDIT_REAL_TV."""
+    header = analysis.results.header
+    prompts = {p.id: p for p in prompts_from_description(header.workload)}
+    specs = {c.name: c for c in header.configs}
+    out, seen = [], set()
+    for v in analysis.audits:
+        key = (v.config, v.temperature)
+        if v.detectable_tv is None or v.samples_needed is None or v.config not in specs \
+                or key in seen:
+            continue
+        seen.add(key)
+        command, caveats = audit_command(header, specs[v.config], v, prompts.get(v.prompt_id))
+        out.append({"config": v.config, "samples": v.n_compared,
+                    "tv": _num(v.detectable_tv), "smoke": v.detectable_tv > AUDIT_REAL_TV,
+                    "false_alarm": DASH if v.false_alarm is None else f"{v.false_alarm:g}",
+                    "temperature": DASH if v.temperature is None else f"{v.temperature:g}",
+                    "prompt": v.prompt_id or DASH, "needed": v.samples_needed,
+                    "command": command, "caveats": caveats})
+    return out
+
+
 def _table_rows(analysis: Analysis) -> dict[str, list[dict[str, Any]]]:
-    audits = [{**a.to_dict(), "batch": a.batch_size if a.batch_size is not None else "all",
+    audits = [{**a.to_dict(), "name": a.config,
+               "batch": a.batch_size if a.batch_size is not None else "all",
+               "verdict": "PASS" if a.passed else "FAIL",
+               "verdict_class": "pass" if a.passed else "fail",
                "p_value": _num(a.p_value, 4)} for a in analysis.audits]
-    memory = [{"config": m.config, "batch": m.batch_size,
+    memory = [{"name": m.config, "batch": m.batch_size,
                **{key: fmt_bytes(getattr(m, key)) for key in (
                    "target_weights", "draft_weights", "target_kv", "draft_kv", "draft_store",
                    "peak_rss")}}
@@ -355,6 +554,13 @@ def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
         "confidence": 0.95, "n_resamples": analysis.n_resamples, "seed": analysis.seed,
         "rec": recommendation, "rec_headline": headline, "rec_vllm": recommendation.vllm_json,
         "summary_rows": summary_rows(analysis), "category_rows": category_rows(analysis),
+        "summary_columns": SUMMARY_COLUMNS, "latency_columns": LATENCY_COLUMNS,
+        "acceptance_columns": ACCEPTANCE_COLUMNS, "detail_columns": DETAIL_COLUMNS,
+        "category_columns": CATEGORY_COLUMNS, "structured_columns": STRUCTURED_COLUMNS,
+        "load_columns": LOAD_COLUMNS, "warmup_columns": WARMUP_COLUMNS,
+        "audit_columns": AUDIT_COLUMNS, "memory_columns": MEMORY_COLUMNS,
+        "cost_columns": COST_COLUMNS, "audit_power": audit_power(analysis),
+        "audit_real_tv": AUDIT_REAL_TV, "audit_power_level": AUDIT_POWER,
         "structured_rows": structured_rows(analysis),
         "warmup_rows": warmup_rows(analysis), "warmup_figures": warmup_figures(analysis),
         "latency_figures": latency_figures(analysis),
