@@ -1,19 +1,31 @@
-"""docs/serving.md matches the server: the reasons `requests_refused_total` counts (every error
-code) are the ones the page lists, and every code the server's source can raise is one of them.
-Each comparison is also run on a deliberately broken copy (a row dropped, a code invented), which
-it must catch. Pure parsing: no server, no model."""
+"""docs/serving.md matches the server: its table of request fields lists exactly the fields each
+route accepts (the request schemas) and refuses (protocol.REFUSED_FIELDS, with the values still
+accepted); the reasons `requests_refused_total` counts (every error code) are the ones the page
+lists, and every code the server's source can raise is one of them. Each comparison is also run
+on a deliberately broken copy (a row dropped or moved, a code invented), which it must catch.
+Pure parsing: no server, no model."""
 
 from __future__ import annotations
 
 import ast
+import json
 import re
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from specdecode.server import openai_errors
 from specdecode.server.openai_errors import ERROR_CODES, APIError
 from specdecode.server.prometheus import REFUSED_REASONS
+from specdecode.server.protocol import (
+    REFUSED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = ROOT / "docs" / "serving.md"
@@ -111,3 +123,100 @@ def test_every_status_gets_a_listed_code() -> None:
 def test_an_unlisted_code_cannot_be_raised() -> None:
     with pytest.raises(ValueError, match="not in ERROR_CODES"):
         APIError(400, "x", code="something_new")
+
+
+ROUTES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
+                                      "/v1/chat/completions": ChatCompletionRequest}
+
+
+def schema_fields(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every field of a request schema, nested ones as "stream_options.include_usage" and, in
+    lists, "messages[].role"."""
+    names = set()
+    for name, info in model.model_fields.items():
+        names.add(prefix + name)
+        for sub, in_list in _submodels(info.annotation):
+            names |= schema_fields(sub, f"{prefix}{name}{'[]' if in_list else ''}.")
+    return names
+
+
+def _submodels(annotation: Any, in_list: bool = False) -> list[tuple[type[BaseModel], bool]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(annotation, in_list)]
+    origin = typing.get_origin(annotation)
+    inner = in_list or origin is list
+    if origin is typing.Annotated:
+        return _submodels(typing.get_args(annotation)[0], in_list)
+    if origin in (list, typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _submodels(arg, inner)]
+    return []
+
+
+def documented_fields(text: str) -> dict[str, dict[str, Any]]:
+    """Per route: {"accepted": {field, ...}, "refused": {field: {neutral JSON value, ...}}},
+    from the table of request fields (columns: field, /v1/completions, /v1/chat/completions)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| field |"))
+    routes = re.findall(r"`([^`]+)`", lines[start])
+    out: dict[str, dict[str, Any]] = {r: {"accepted": set(), "refused": {}} for r in routes}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            for route, cell in zip(routes, cells[1:1 + len(routes)], strict=True):
+                if cell.startswith("accepted"):
+                    out[route]["accepted"].add(name)
+                elif cell.startswith("refused"):
+                    values = {json.dumps(json.loads(v)) for v in re.findall(r"`([^`]+)`", cell)}
+                    out[route]["refused"][name] = values
+                else:
+                    assert cell == "", f"{name} {route}: {cell!r}"
+    return out
+
+
+def server_fields() -> dict[str, dict[str, Any]]:
+    """The same, from the code: the schemas' fields, REFUSED_FIELDS and their neutral values."""
+    out = {}
+    for route, model in ROUTES.items():
+        refused = {f.name: {json.dumps(v) for v in f.neutral} for f in REFUSED_FIELDS[route]}
+        out[route] = {"accepted": schema_fields(model) - set(refused), "refused": refused}
+    return out
+
+
+def test_documented_fields_are_the_servers() -> None:
+    """Each route's accepted fields, refused fields and the values a refused field may still
+    take are what the page's table says (issue 37: the page called response_format refused
+    while json_object and json_schema worked, and chat took echo and best_of silently)."""
+    documented = documented_fields(SERVING.read_text(encoding="utf-8"))
+    assert documented == server_fields()
+    chat = documented["/v1/chat/completions"]
+    assert {"echo", "best_of", "messages[].name"} <= set(chat["refused"])
+    assert "response_format" in chat["accepted"]
+
+
+def test_a_field_documented_wrongly_is_caught() -> None:
+    """Broken variants of the page: response_format called refused (the old text), the echo
+    row dropped, a refused field's accepted value changed."""
+    text = SERVING.read_text(encoding="utf-8")
+    fields = server_fields()
+    variants = {
+        "response_format refused": text.replace("| `response_format` | | accepted |",
+                                                "| `response_format` | | refused unless `null` |"),
+        "echo dropped": "\n".join(line for line in text.splitlines()
+                                  if not line.startswith("| `echo` |")),
+        "n unless 2": text.replace("| `n` | refused unless `1` or `null` |",
+                                   "| `n` | refused unless `2` or `null` |"),
+    }
+    for name, variant in variants.items():
+        assert variant != text, name
+        assert documented_fields(variant) != fields, name
+
+
+def test_refused_fields_are_in_the_schemas() -> None:
+    """A refused field is declared (so the OpenAPI schema and the fuzz run know it), and its
+    neutral values are what an absent field defaults to, or null."""
+    for route, model in ROUTES.items():
+        for field in REFUSED_FIELDS[route]:
+            assert field.name in schema_fields(model), (route, field.name)
+            assert None in field.neutral, (route, field.name)

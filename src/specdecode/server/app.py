@@ -105,10 +105,7 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
         raise shutdown.refusal()
     prepare.check_model(served, req.model)
     chat = isinstance(req, ChatCompletionRequest)
-    if isinstance(req, ChatCompletionRequest):
-        prepare.check_chat(req)
-    else:
-        prepare.check_completion(req)
+    prepare.check_refused(req)
     spec = prepare.constraint_spec(req)
     size = prepare.check_prompt_size(served, req)
     state.admit()  # before tokenizing: pending tokenization counts against the queue

@@ -42,7 +42,7 @@ _TYPES = {
 # every code an error body can carry: the reasons requests_refused_total counts, with
 # server.connections' header_timeout (prometheus.REFUSED_REASONS)
 ERROR_CODES = frozenset({
-    "invalid_json", "invalid_body", "missing_field", "invalid_value",
+    "invalid_json", "invalid_body", "missing_field", "unknown_field", "invalid_value",
     "unsupported_value", "context_length_exceeded", "no_chat_template", "model_not_found",
     "invalid_api_key", "not_found", "method_not_allowed", "request_timeout",
     "request_too_large", "server_busy", "shutting_down", "unavailable", "internal_error",
@@ -121,6 +121,10 @@ def validation_api_error(exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON ({detail})", code="invalid_json")
+    if kind == "extra_forbidden":  # named as sent: param_path would drop "a-b" or "str"
+        name = ".".join(filter(None, (param_path(loc[:-1]), str(loc[-1]))))[:100]
+        return APIError(400, f"unknown field '{name}': this server takes only the fields "
+                             "docs/serving.md lists", name, "unknown_field")
     param = param_path(loc)
     if param is None:
         return APIError(400, "the request body must be a JSON object, sent with "

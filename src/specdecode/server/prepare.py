@@ -12,11 +12,13 @@ the window), so a huge prompt costs the server no tokenizing.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
+from pydantic import BaseModel
 
 from specdecode.constraints import (
     ANY_JSON_OBJECT,
@@ -33,7 +35,13 @@ from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 from specdecode.server.isolation import Isolable, Isolation
 from specdecode.server.openai_errors import APIError
-from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from specdecode.server.protocol import (
+    REFUSED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    TextPart,
+)
 from specdecode.server.tokens import PromptEncoder
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -73,40 +81,38 @@ def check_model(served: ServedModel, name: str) -> None:
                             f"'{served.name}'", "model", "model_not_found")
 
 
-def check_common(req: SamplingRequest) -> None:
-    """Refuse fields this server accepts by name but does not implement."""
-    if req.n not in (None, 1):
-        raise APIError(400, "n > 1 is not supported: send n separate requests", "n",
-                       "unsupported_value")
+def check_refused(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 naming the first field this server names but does not implement that asks for
+    something (protocol.REFUSED_FIELDS), and for a response_format type it lacks."""
+    path = "/v1/chat/completions" if isinstance(req, ChatCompletionRequest) else \
+        "/v1/completions"
+    for refused in REFUSED_FIELDS[path]:
+        for param, value in _values(req, refused.name):
+            if not refused.allows(value):
+                accepted = ", ".join(json.dumps(ok) for ok in refused.neutral)
+                hint = f": {refused.hint}" if refused.hint else ""
+                raise APIError(400, f"{param} = {_shown(value)} is not supported (accepted: "
+                                    f"{accepted}){hint}", param, "unsupported_value")
+    if isinstance(req, ChatCompletionRequest):
+        kind = (req.response_format or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise APIError(400, f"response_format type '{str(kind)[:40]}' is not supported "
+                                "(text, json_object, json_schema)", "response_format",
+                           "unsupported_value")
 
 
-def check_completion(req: CompletionRequest) -> None:
-    check_common(req)
-    if req.echo:
-        raise APIError(400, "echo is not supported", "echo", "unsupported_value")
-    if req.logprobs is not None:
-        raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_value")
-    if req.suffix is not None:
-        raise APIError(400, "suffix is not supported", "suffix", "unsupported_value")
-    if req.best_of not in (None, 1):
-        raise APIError(400, "best_of > 1 is not supported", "best_of", "unsupported_value")
+def _values(req: BaseModel, name: str) -> list[tuple[str, Any]]:
+    """(param, value) of field `name` in `req`: "messages[].name" gives each message's."""
+    head, _, rest = name.partition("[].")
+    if not rest:
+        return [(name, getattr(req, name))]
+    return [(f"{head}[{i}].{rest}", getattr(item, rest))
+            for i, item in enumerate(getattr(req, head))]
 
 
-def check_chat(req: ChatCompletionRequest) -> None:
-    check_common(req)
-    if req.logprobs or req.top_logprobs is not None:
-        raise APIError(400, "logprobs is not supported", "logprobs", "unsupported_value")
-    if req.tools:
-        raise APIError(400, "tools are not supported", "tools", "unsupported_value")
-    choice = req.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        # "required" or a named function: a tool call that no tool can make
-        raise APIError(400, "tool_choice must be 'none' or 'auto' without tools (this server "
-                            "supports none)", "tool_choice", "invalid_value")
-    kind = (req.response_format or {}).get("type", "text")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise APIError(400, f"response_format type '{kind}' is not supported (text, "
-                            "json_object, json_schema)", "response_format", "unsupported_value")
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def constraint_spec(req: SamplingRequest) -> ConstraintSpec | None:
@@ -214,9 +220,7 @@ def chat_prompt(req: ChatCompletionRequest, served: ServedModel) -> list[int]:
                        "messages", "invalid_value") from exc
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
+def _text(content: str | list[TextPart]) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.text for part in content)

@@ -5,16 +5,22 @@ are refused, so a wrong type is a 400 naming the field (a float with no fraction
 an integer: JSON has one number type). Ranges follow the OpenAI API (temperature in [0, 2],
 top_p in (0, 1], penalties in [-2, 2], logit_bias values in [-100, 100], at most 4 stop
 strings; repetition_penalty in [0.01, 10]: a smaller one overflows float32 logits). `top_k`,
-`min_p` and `repetition_penalty` are extensions (as in vLLM). Every field
-that is accepted but not implemented (n > 1, logprobs, echo, tools...) is refused with a 400 by
-`prepare`, never silently ignored.
+`min_p` and `repetition_penalty` are extensions (as in vLLM).
+
+No field is silently ignored. A field of the OpenAI API that this server names but does not
+implement (`REFUSED_FIELDS`: n > 1, echo, logprobs, tools...) is accepted only with a value that
+asks for nothing (null, false, 1, []) and otherwise refused by `prepare` with a 400 naming it;
+any field not declared here is refused by the schema (`unknown_field`). docs/serving.md lists
+the same fields (tests/test_server_docs.py compares them).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic_core import PydanticCustomError
 
 from specdecode.limits import MAX_SEED, MIN_SEED
 
@@ -38,8 +44,38 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A field this server names but does not implement: accepted only as one of `neutral`
+    (values that ask for nothing), else a 400 naming it (`prepare.check_refused`)."""
+
+    name: str  # as in a request body; "messages[].name" is that field of every message
+    neutral: tuple[Any, ...]
+    hint: str = ""  # what to do instead, appended to the 400's message
+
+    def allows(self, value: Any) -> bool:
+        """Whether `value` asks for nothing: one of `neutral`, of the same type (True is not
+        1, 0 is not False)."""
+        return any(type(value) is type(ok) and value == ok for ok in self.neutral)
+
+
+N = Refused("n", (None, 1), "send n separate requests")
+BEST_OF = Refused("best_of", (None, 1))
+ECHO = Refused("echo", (None, False), "the reply never repeats the prompt")
+REFUSED_FIELDS: dict[str, tuple[Refused, ...]] = {
+    "/v1/completions": (N, BEST_OF, ECHO, Refused("logprobs", (None,)),
+                        Refused("suffix", (None,))),
+    "/v1/chat/completions": (
+        N, BEST_OF, ECHO, Refused("logprobs", (None, False)), Refused("top_logprobs", (None,)),
+        Refused("tools", (None, []), "this server makes no tool calls"),
+        Refused("tool_choice", (None, "none", "auto"), "this server makes no tool calls"),
+        Refused("messages[].name", (None,), "the chat template renders no participant names "
+                                             "(write the name into the content)")),
+}
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
     @field_validator("*", mode="before")
     @classmethod
@@ -68,7 +104,9 @@ class SamplingRequest(_Strict):
     logit_bias: dict[str, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
-    n: int | None = Field(default=None, ge=1, le=128)
+    n: int | None = Field(default=None, ge=1, le=128, description="refused unless 1")
+    best_of: int | None = Field(default=None, ge=1, description="refused unless 1")
+    echo: bool | None = Field(default=False, description="refused unless false")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -82,10 +120,8 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions: one prompt, as text or token ids."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: bool | None = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, description="refused unless null")
+    suffix: str | None = Field(default=None, description="refused unless null")
 
 
 class TextPart(_Strict):
@@ -95,8 +131,19 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | list[TextPart]
+    name: str | None = Field(default=None, description="refused unless null")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        """OpenAI allows null content only on an assistant message with tool_calls, which
+        this server does not take: null is refused, not read as empty text."""
+        if value is None:
+            raise PydanticCustomError(
+                "null_content", "content is null: only an assistant message with tool_calls "
+                "may have null content, and this server makes no tool calls")
+        return value
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -104,8 +151,10 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = Field(default=False, description="refused unless false")
+    top_logprobs: int | None = Field(default=None, description="refused unless null")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="refused unless []")
+    tool_choice: str | dict[str, Any] | None = Field(default=None,
+                                                     description="refused unless none or auto")
+    response_format: dict[str, Any] | None = Field(
+        default=None, description="text, json_object or json_schema (constrained output)")
