@@ -275,7 +275,7 @@ def main() -> None:
     loaded = load_model(None, "fp32")
     tok, target = loaded.tokenizer, loaded.model
     copy = apply_precision(target, "w4a16")
-    hybrid_engine = drafter_factory("ngram+w4a16", target, None, 4096, tokenizer=tok)
+    hybrid_engine = drafter_factory("ngram+w4a16", target, tokenizer=tok)
     assert hybrid_engine is not None
     prompts = load_workload(args.specbench, categories=args.categories.split(","),
                             limit_per_category=args.per_category).prompts

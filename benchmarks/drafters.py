@@ -129,7 +129,7 @@ def main() -> None:
         name, k_text = item.split(":")
         k, auto = parse_k(k_text)
         try:
-            factories[item] = (drafter_factory(name, loaded.model, None, 4096, tokenizer=tok),
+            factories[item] = (drafter_factory(name, loaded.model, tokenizer=tok),
                                k, auto)
         except SpecDecodeError as exc:
             print(f"# {name}: skipped ({exc})")

@@ -34,7 +34,7 @@ from specdecode.bench.workloads import load_default_workload
 from specdecode.calibration import forward_costs
 from specdecode.drafters.distilled import DEFAULT_DIR
 from specdecode.drafters.distilled_gguf import export_distilled_gguf
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import Generation
 from specdecode.models.loading import default_model_path, load_model
 from specdecode.sampling import SamplingParams
@@ -76,7 +76,7 @@ def main() -> None:
             path = export_distilled_gguf(DEFAULT_DIR, default_model_path(),
                                          folder / f"{head}-{wtype}.gguf", weight_type=wtype,
                                          head=head)
-            make = drafter_factory("draft-model", target, draft_model=str(path))
+            make = drafter_factory(DrafterOptions("draft-model", draft_model=str(path)), target)
             assert make is not None
             variants[f"{head}-{wtype}"] = (make, path.stat().st_size)
     every = load_default_workload().prompts

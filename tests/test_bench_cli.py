@@ -90,7 +90,7 @@ def test_strict_refuses_a_malformed_line_naming_it(tmp_path: Path) -> None:
     ([GOOD], ["--batch-sizes", "1,0"], ["--batch-sizes must be integers >= 1"]),
     ([GOOD], ["--threads", "0"], ["--threads must be >= 1"]),
     ([GOOD], ["--audit-samples", "-1"], ["--audit-samples must be >= 0"]),
-    ([GOOD], ["--configs", "ngram:k=auto,kmax=99"], ["kmax must be an integer in 1..64"]),
+    ([GOOD], ["--configs", "ngram:k=auto,kmax=99"], ["kmax (--kmax) must be an integer in 1..64"]),
     ([GOOD], ["--max-tokens", "0"], ["--max-tokens must be >= 1"]),
     ([GOOD], ["--precision", "int8", "--configs", "plain;ngram:k=2"],
      ["needs a batch-invariant target"]),

@@ -43,9 +43,10 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel, load_model
 from specdecode.server.app import create_app
 from specdecode.server.background import BackgroundServer
-from specdecode.server.state import ServeOptions, ServerState, build_state
+from specdecode.server.state import ServerState, build_state
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
+from tests.test_server import serve_options
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 PROMPTS = [
@@ -107,7 +108,7 @@ def serving(loaded: LoadedModel, tally: EngineTally | None = None,
     # (auto) would rightly keep speculation off, and these tests need drafted tokens
     settings = {"drafter": "int8", "k": 4, "auto": False, "max_batch": 4, "max_seq_len": 256,
                 "max_queue": 16, **options}
-    state = build_state(loaded, ServeOptions(**settings), costs=CostModel())
+    state = build_state(loaded, serve_options(settings), costs=CostModel())
     if tally is not None:
         observe = state.metrics.observe_step
 

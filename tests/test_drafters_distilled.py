@@ -27,7 +27,7 @@ from specdecode.drafters.distilled import (
     save_distilled,
 )
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
@@ -136,8 +136,9 @@ def greedy(model: Any, drafter: Any, k: int) -> Generation:
 def test_greedy_output_is_plain_decodings_for_every_k(
     tiny: torch.nn.Module, tmp_path: Path, vocab: int | None
 ) -> None:
-    factory = drafter_factory("distilled", tiny, capacity=64,
-                              distilled=str(save_draft(tiny, tmp_path, vocab)))
+    factory = drafter_factory(
+        DrafterOptions("distilled", distilled=str(save_draft(tiny, tmp_path, vocab))), tiny,
+        capacity=64)
     assert factory is not None
     plain = greedy(tiny, None, 0)
     accepted = 0
@@ -151,7 +152,8 @@ def test_greedy_output_is_plain_decodings_for_every_k(
 @pytest.mark.statistical
 def test_sampled_output_is_distributed_as_the_target(tiny: torch.nn.Module, shipped: Path
                                                      ) -> None:
-    factory = drafter_factory("distilled", tiny, capacity=16, distilled=str(shipped))
+    factory = drafter_factory(DrafterOptions("distilled", distilled=str(shipped)), tiny,
+                              capacity=16)
     assert factory is not None
     first_p, pair_p, drafted, accepted = audit(tiny, PROMPT, factory, 2, seed=50_000)
     assert first_p > FALSE_ALARM and pair_p > FALSE_ALARM
@@ -203,7 +205,7 @@ def test_a_draft_for_another_target_is_refused(tiny: torch.nn.Module, shipped: P
         other.layers[1].o.weight.add_(0.01)  # same architecture, other weights
     expected = weights_sha256(tiny)
     with pytest.raises(SpecDecodeError, match="trained for a different target") as err:
-        drafter_factory("distilled", other, distilled=str(shipped))
+        drafter_factory(DrafterOptions("distilled", distilled=str(shipped)), other)
     assert expected in str(err.value) and weights_sha256(other) in str(err.value)
 
 
@@ -232,7 +234,7 @@ def test_a_target_off_the_native_runner_is_refused(shipped: Path) -> None:
         backend = "transformers"
 
     with pytest.raises(SpecDecodeError, match="native runner"):
-        drafter_factory("distilled", Adapter(), distilled=str(shipped))
+        drafter_factory(DrafterOptions("distilled", distilled=str(shipped)), Adapter())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from specdecode.audit_stats import tv_distance
 from specdecode.drafters.base import Draft, DraftRequest
 from specdecode.drafters.heads import FeatureDrafterModel, HeadsDrafter, load_heads
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probs_from_logits
@@ -230,7 +230,7 @@ def test_heads_load_for_their_target(tmp_path: Path, tiny: torch.nn.Module,
     folder = save(small_heads, tiny, tmp_path / "heads")
     loaded = load_heads(tiny, folder)
     assert torch.equal(loaded.vocab, small_heads.vocab)
-    factory = drafter_factory("heads", tiny, heads=str(folder))
+    factory = drafter_factory(DrafterOptions("heads", heads=str(folder)), tiny)
     assert factory is not None and isinstance(factory(), HeadsDrafter)
 
 
@@ -242,7 +242,7 @@ def test_heads_trained_for_another_target_are_refused(
     with torch.no_grad():
         other.norm.mul_(1.01)  # same shapes, different weights
     with pytest.raises(SpecDecodeError) as err:
-        drafter_factory("heads", other, heads=str(folder))
+        drafter_factory(DrafterOptions("heads", heads=str(folder)), other)
     message = str(err.value)
     assert "different target" in message
     assert weights_sha256(tiny) in message and weights_sha256(other) in message
@@ -250,4 +250,4 @@ def test_heads_trained_for_another_target_are_refused(
 
 def test_missing_heads_weights_are_a_clear_error(tmp_path: Path, tiny: torch.nn.Module) -> None:
     with pytest.raises(SpecDecodeError, match=r"no heads\.safetensors"):
-        drafter_factory("heads", tiny, heads=str(tmp_path))
+        drafter_factory(DrafterOptions("heads", heads=str(tmp_path)), tiny)

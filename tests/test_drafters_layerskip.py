@@ -20,7 +20,7 @@ from specdecode.drafters.layerskip import (
     cached_calibration,
     calibrate_layers,
 )
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.models.tokenizer import Tokenizer
@@ -54,7 +54,7 @@ def test_greedy_output_is_plain_decodings_for_every_k(smollm: LoadedModel) -> No
     prompt = chat_ids(smollm, PROMPT)
     plain = generate(smollm, prompt, 32, None, 0).output
     kept = [i for i in range(smollm.model.cfg.num_layers) if i not in SMOLLM_DROPPED]
-    factory = drafter_factory("layerskip", smollm.model, layers=kept)
+    factory = drafter_factory(DrafterOptions("layerskip", layers=tuple(kept)), smollm.model)
     assert factory is not None
     for k in range(1, 9):
         max_tokens = 32 if k == 3 else 8
@@ -99,7 +99,8 @@ def first_token_distribution(p: torch.Tensor, sampled: torch.Tensor, reported: t
 
 @pytest.mark.statistical
 def test_sampled_output_is_distributed_as_the_target(tiny: torch.nn.Module) -> None:
-    factory = drafter_factory("layerskip", tiny, capacity=16, layers=TINY_DRAFT_LAYERS)
+    factory = drafter_factory(DrafterOptions("layerskip", layers=tuple(TINY_DRAFT_LAYERS)), tiny,
+                              capacity=16)
     assert factory is not None
     first_p, pair_p, drafted, accepted = audit(tiny, TINY_PROMPT, factory, 2, seed=30_000)
     assert first_p > FALSE_ALARM and pair_p > FALSE_ALARM
@@ -200,7 +201,7 @@ def test_uncached_calibration_without_a_tokenizer_is_a_clear_error(
 @pytest.mark.parametrize("layers", [[], [2, 0], [0, 0, 1], [0, 3], [-1, 1]])
 def test_bad_layer_lists_are_refused(tiny: torch.nn.Module, layers: list[int]) -> None:
     with pytest.raises(SpecDecodeError, match=r"distinct ascending block indices in 0\.\.2"):
-        drafter_factory("layerskip", tiny, layers=layers)
+        drafter_factory(DrafterOptions("layerskip", layers=tuple(layers)), tiny)
 
 
 @pytest.mark.parametrize("name", ["layerskip", "heads", "w4a16", "int8", "ngram+w4a16"])
@@ -213,4 +214,5 @@ def test_a_target_off_the_native_runner_is_refused(name: str) -> None:
     drafter = name.removeprefix("ngram+")
     with pytest.raises(SpecDecodeError, match=f"the {drafter} drafter needs a target on the "
                                               "native runner"):
-        drafter_factory(name, Adapter(), layers=[0])
+        drafter_factory(DrafterOptions(name, layers=(0,) if name == "layerskip" else None),
+                        Adapter())

@@ -25,7 +25,7 @@ from specdecode.audit_stats import chi_square_gof, required_samples
 from specdecode.control import Controller, CostModel, best_width
 from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.ngram import GREEDY_PRIOR, MatchStats, NgramDrafter, RegimeStats
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import config_from_hf, read_hf_config
@@ -136,7 +136,7 @@ def test_bad_sizes_are_refused() -> None:
     with pytest.raises(SpecDecodeError, match="min_n <= max_n"):
         NgramDrafter(max_n=2, min_n=3)
     with pytest.raises(SpecDecodeError, match="min_n <= max_n"):
-        drafter_factory("ngram", None, ngram_max=3, ngram_min=0)
+        drafter_factory(DrafterOptions("ngram", ngram_max=3, ngram_min=0), None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.drafters.xtok import (
     MAX_TAIL_CHARS,
     DraftText,
@@ -403,7 +403,8 @@ def test_registry_makes_xtok_drafters_from_a_draft_path(
     target: tuple[Model, Tokenizer], char_draft: Path
 ) -> None:
     model, target_tok = target
-    factory = drafter_factory("xtok", model, str(char_draft), tokenizer=target_tok)
+    factory = drafter_factory(DrafterOptions("xtok", draft_model=str(char_draft)), model,
+                              tokenizer=target_tok)
     assert factory is not None
     drafter = factory()
     assert isinstance(drafter, XtokDrafter) and drafter.name == "xtok"
@@ -415,11 +416,12 @@ def test_errors_name_the_fix(
 ) -> None:
     model, _ = target
     with pytest.raises(SpecDecodeError, match="--drafter xtok"):
-        drafter_factory("draft-model", model, str(char_draft))
+        drafter_factory(DrafterOptions("draft-model", draft_model=str(char_draft)), model)
     with pytest.raises(SpecDecodeError, match="--draft-model PATH"):
-        drafter_factory("xtok", model, None)
+        drafter_factory("xtok", model)
     with pytest.raises(SpecDecodeError, match="target's tokenizer"):
-        drafter_factory("xtok", model, str(char_draft), tokenizer=None)
+        drafter_factory(DrafterOptions("xtok", draft_model=str(char_draft)), model,
+                        tokenizer=None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from specdecode.audit_stats import required_samples
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probs_from_logits
@@ -250,7 +250,8 @@ def test_draft_gguf_with_another_vocabulary_is_refused(tiny: Any, tmp_path: Path
     folder = make_checkpoint(tmp_path / "d", seed=1, **{**SMALL, "vocab_size": 320})
     write_gguf(folder, tmp_path / "d.gguf")
     with pytest.raises(SpecDecodeError, match="vocabulary of 320"):
-        drafter_factory("draft-model", tiny[0], str(tmp_path / "d.gguf"))()
+        drafter_factory(DrafterOptions("draft-model", draft_model=str(tmp_path / "d.gguf")),
+                        tiny[0])()
 
 
 def test_bad_gguf_and_too_many_threads_are_one_clear_error(tmp_path: Path) -> None:

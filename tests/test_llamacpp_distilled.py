@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
@@ -256,13 +256,14 @@ def test_greedy_with_the_distilled_gguf_is_token_identical(tiny: Tiny,
     monkeypatch.setenv("SPECDECODE_CACHE", str(tiny.root / "cache-identity"))
     params = SamplingParams(max_tokens=40)
     plain = _run(tiny.target, PROMPT, params)
-    make = drafter_factory("distilled", tiny.target, distilled=str(tiny.draft_dir))
+    make = drafter_factory(DrafterOptions("distilled", distilled=str(tiny.draft_dir)),
+                           tiny.target)
     assert make is not None
     drafter = make()
     assert drafter.name == "distilled"
     assert _run(tiny.target, PROMPT, params, drafter, k) == plain
     path = cached_export(tiny.draft_dir, tiny.target_gguf)
-    as_file = drafter_factory("draft-model", tiny.target, draft_model=str(path))
+    as_file = drafter_factory(DrafterOptions("draft-model", draft_model=str(path)), tiny.target)
     assert as_file is not None
     assert _run(tiny.target, PROMPT, params, as_file(), k) == plain
 
@@ -274,7 +275,8 @@ def test_greedy_batch_of_rows_with_the_distilled_gguf(tiny: Tiny,
     lengths = [30, 12, 40, 25]
     plain = [_run(tiny.target, p, SamplingParams(max_tokens=n))
              for p, n in zip(prompts, lengths, strict=True)]
-    make = drafter_factory("distilled", tiny.target, distilled=str(tiny.draft_dir))
+    make = drafter_factory(DrafterOptions("distilled", distilled=str(tiny.draft_dir)),
+                           tiny.target)
     assert make is not None
     engine = BatchEngine(tiny.target, max_batch=3, max_seq_len=128)
     gens = [Generation(tiny.target, None, p, SamplingParams(max_tokens=n), make(), 1 + i)

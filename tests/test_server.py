@@ -8,6 +8,7 @@ and every address is loopback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import threading
@@ -23,6 +24,7 @@ import openai
 import pytest
 
 from specdecode.control import CostModel
+from specdecode.drafters.options import DrafterOptions
 from specdecode.engine import Generation
 from specdecode.models.loading import LoadedModel, load_model
 from specdecode.sampling import SamplingParams
@@ -48,9 +50,20 @@ def serving(loaded: LoadedModel, **options: Any) -> Iterator[tuple[BackgroundSer
     """Serve `loaded` on a free loopback port (int8 drafter, k auto up to 4 by default)."""
     settings = {"drafter": "int8", "k": 4, "auto": True, "max_batch": 4, "max_seq_len": 256,
                 "max_queue": 16, **options}
-    state = build_state(loaded, ServeOptions(**settings), costs=CostModel())
+    state = build_state(loaded, serve_options(settings), costs=CostModel())
     with BackgroundServer(create_app(state)) as srv:
         yield srv, state
+
+
+def serve_options(settings: dict[str, Any]) -> ServeOptions:
+    """ServeOptions from flat settings: `drafter` (a name), `k` with `auto` (k the most the
+    controller drafts), the other DrafterOptions fields, and ServeOptions' own."""
+    drafter_fields = {f.name for f in dataclasses.fields(DrafterOptions)}
+    mine = {key: settings.pop(key) for key in list(settings) if key in drafter_fields}
+    k, auto = mine.pop("k", 8), settings.pop("auto", True)
+    drafter = DrafterOptions(settings.pop("drafter", "none"), k="auto" if auto else k,
+                             kmax=k if auto else 8, **mine)
+    return ServeOptions(drafter=drafter, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +141,7 @@ def test_a_seed_reproduces_a_reply_whatever_the_traffic_and_drafting(tiny: Loade
                               "temperature": 0.9, "top_p": 0.95, "seed": 1236,
                               "logit_bias": NO_EOS}
     noise = [{**seeded, "prompt": [7 + i, 8, 9 + i], "seed": None} for i in range(8)]
-    with serving(tiny, drafter="none", k=0, auto=False) as (srv, _):
+    with serving(tiny, drafter="none") as (srv, _):
         reply = client(srv).completions.create(**seeded)
         expected = reply.choices[0].text
         assert reply.to_dict()["seed"] == 1236
@@ -368,7 +381,6 @@ def test_smollm_chat_through_the_server_equals_plain_decoding(smollm: LoadedMode
 def test_serve_caps_each_step_at_1_5_plain_steps_unless_told_otherwise(tmp_path: Path) -> None:
     import argparse
 
-    from specdecode.cli.args import check_k as _check_k
     from specdecode.cli.serve import options_from_args, register
 
     parser = argparse.ArgumentParser()
@@ -376,8 +388,7 @@ def test_serve_caps_each_step_at_1_5_plain_steps_unless_told_otherwise(tmp_path:
     for argv, cap in (([], 1.5), (["--max-step-cost", "2"], 2.0),
                       (["--max-step-cost", "inf"], float("inf"))):
         args = parser.parse_args(["serve", "--model", str(tmp_path), *argv])
-        _check_k(args)
-        assert options_from_args(args).max_step_cost == cap
+        assert options_from_args(args).drafter.max_step_cost == cap
 
 
 def test_serve_cli_refuses_bad_options(tmp_path: Path) -> None:

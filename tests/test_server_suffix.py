@@ -10,7 +10,6 @@ empty store, and one that reads its earlier twin accepts more.
 from __future__ import annotations
 
 import argparse
-import inspect
 import re
 import threading
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel, load_model
 from specdecode.server.isolation import Isolation, credential
@@ -110,7 +109,7 @@ def test_by_default_a_user_drafts_only_from_their_own_earlier_requests(
     request (more accepted); Bob's identical prompt, and Alice's `user` presented with another
     key, read no stored text and draft exactly as a cold request. The store keys are digests:
     no raw key or user id is kept, nor shown by /metrics."""
-    assert ServeOptions().suffix_isolation == "user"
+    assert drafter_factory("suffix", object()).isolation == "user"  # type: ignore[union-attr]
     with suffix_server(model) as (srv, state):
         assert state.served.isolation.mode == "user"
         store = store_of(state)
@@ -254,7 +253,7 @@ def test_bad_store_options_are_one_clear_error_before_the_model_loads(tmp_path: 
                             ({"suffix_requests": -3}, "--suffix-requests"),
                             ({"suffix_isolation": "nobody"}, "--suffix-isolation")):
         with pytest.raises(SpecDecodeError, match=needle):
-            ServeOptions(drafter="suffix", **options).check()
+            ServeOptions(drafter=DrafterOptions("suffix", **options)).check()
     from specdecode.cli.serve import register
 
     parser = argparse.ArgumentParser()
@@ -272,25 +271,24 @@ def test_bad_store_options_are_one_clear_error_before_the_model_loads(tmp_path: 
 
 
 def test_serve_defaults_isolate_and_take_the_registrys_caps(tmp_path: Path) -> None:
-    from specdecode.cli.args import check_k
     from specdecode.cli.serve import options_from_args, register
+    from specdecode.limits import SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--model", str(tmp_path), "--drafter", "suffix"])
-    check_k(args)
-    options = options_from_args(args)
-    defaults = inspect.signature(drafter_factory).parameters
-    assert options.suffix_isolation == "user"
-    assert options.suffix_mib == defaults["suffix_mib"].default == ServeOptions.suffix_mib
-    assert options.suffix_requests == defaults["suffix_requests"].default \
-        == ServeOptions.suffix_requests
-    args = parser.parse_args(["serve", "--model", str(tmp_path), "--suffix-isolation", "shared",
-                              "--suffix-mib", "8", "--suffix-requests", "50"])
-    check_k(args)
-    options = options_from_args(args)
-    assert (options.suffix_isolation, options.suffix_mib, options.suffix_requests) == \
-        ("shared", 8.0, 50)
+    factory = drafter_factory(options_from_args(args).drafter, object())
+    assert factory is not None and factory.store is not None
+    assert factory.isolation == "user"
+    assert factory.store.max_bytes == SUFFIX_STORE_MIB * 2**20
+    assert factory.store.max_requests == SUFFIX_STORE_REQUESTS
+    args = parser.parse_args(["serve", "--model", str(tmp_path), "--drafter", "suffix",
+                              "--suffix-isolation", "shared", "--suffix-mib", "8",
+                              "--suffix-requests", "50"])
+    factory = drafter_factory(options_from_args(args).drafter, object())
+    assert factory is not None and factory.store is not None
+    assert (factory.isolation, factory.store.max_bytes, factory.store.max_requests) == \
+        ("shared", 8 * 2**20, 50)
 
 
 def test_scope_keys() -> None:

@@ -26,7 +26,7 @@ import torch
 from specdecode.control import Controller
 from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.ngram import GREEDY_PRIOR, RegimeStats
-from specdecode.drafters.registry import DRAFTERS, drafter_factory
+from specdecode.drafters.registry import DRAFTERS, DrafterOptions, drafter_factory
 from specdecode.drafters.suffix import (
     SuffixDrafter,
     SuffixFactory,
@@ -482,7 +482,7 @@ def test_bad_caps_are_refused() -> None:
         with pytest.raises(ValueError, match="suffix store"):
             SuffixStore(mib, requests)
     with pytest.raises(SpecDecodeError, match="suffix store"):
-        drafter_factory("suffix", object(), suffix_mib=0.0)
+        drafter_factory(DrafterOptions("suffix", suffix_mib=0.0), object())
 
 
 class SharedViewStore(SuffixStore):
@@ -721,7 +721,8 @@ def test_rates_are_learned_from_the_branch_the_text_took() -> None:
 
 
 def test_the_suffix_drafter_stores_its_request_and_drafts_from_earlier_ones() -> None:
-    factory = drafter_factory("suffix", object(), suffix_mib=8.0, suffix_requests=3)
+    factory = drafter_factory(DrafterOptions("suffix", suffix_mib=8.0, suffix_requests=3),
+                              object())
     assert isinstance(factory, SuffixFactory)
     assert factory.store.max_bytes == 8 * 2**20 and factory.store.max_requests == 3
     first = factory()
@@ -760,7 +761,7 @@ def test_drafts_are_deterministic() -> None:
 
 def test_the_registry_and_the_cli_know_the_tree_drafters(tmp_path: Path) -> None:
     assert {"suffix", "ngram-tree"} <= set(DRAFTERS)
-    factory = drafter_factory("suffix", object(), tree_nodes=5, ngram_max=4)
+    factory = drafter_factory(DrafterOptions("suffix", tree_nodes=5, ngram_max=4), object())
     assert isinstance(factory, SuffixFactory)
     made = [factory(), factory()]
     assert made[0].store is made[1].store and made[0].max_nodes == 5  # one store per factory

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from specdecode.cli import main
 from specdecode.drafters.distilled import load_distilled
-from specdecode.drafters.registry import drafter_factory
+from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
@@ -70,7 +70,7 @@ def test_a_short_run_lowers_the_heldout_divergence(target: Any, corpus: Path, tm
     assert [h["step"] for h in card["history"]] == [6, 12]
     assert read_card(tmp_path) == card
     draft = load_distilled(tmp_path, target[0])
-    factory = drafter_factory("distilled", target[0], distilled=str(tmp_path))
+    factory = drafter_factory(DrafterOptions("distilled", distilled=str(tmp_path)), target[0])
     assert factory is not None and draft.cfg.num_layers == 2
     with pytest.raises(SpecDecodeError, match="holds checkpoints of an earlier run"):
         run(target, corpus, tmp_path)

@@ -22,14 +22,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Literal, TextIO
 
 from specdecode.counters import Counters
+from specdecode.drafters.options import DEFAULT_KMAX, DrafterOptions
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import K_RANGE
-
-DEFAULT_KMAX = 8  # the largest draft length under k="auto", as `--kmax`'s default
 
 
 @dataclass
@@ -74,29 +72,6 @@ class _Stream:
     result: GenerateResult | None = field(default=None)
 
 
-def _check_drafter(drafter: str | None) -> str:
-    from specdecode.drafters.registry import DRAFTERS
-
-    name = "none" if drafter in (None, "plain") else str(drafter)
-    if name not in DRAFTERS:
-        raise SpecDecodeError(f"unknown drafter {drafter!r} (known: {', '.join(DRAFTERS)})")
-    return name
-
-
-def _check_k(k: int | str, kmax: int, max_step_cost: float | None) -> tuple[int, bool]:
-    """(k, auto) as `specdecode generate --k/--kmax/--max-step-cost` parse them."""
-    from specdecode.cli.args import check_k as check
-
-    if isinstance(k, bool) or not isinstance(k, int | str):
-        raise SpecDecodeError(f"k must be an integer in {K_RANGE} or 'auto', got {k!r}")
-    if isinstance(kmax, bool) or not isinstance(kmax, int):
-        raise SpecDecodeError(f"kmax must be an integer in {K_RANGE}, got {kmax!r}")
-    args = SimpleNamespace(k=k if k == "auto" else str(k), kmax=kmax,
-                           max_step_cost=max_step_cost)
-    check(args)  # type: ignore[arg-type]
-    return int(args.k), bool(args.auto)
-
-
 def load(
     model: str | Path | None = None,
     *,
@@ -128,16 +103,19 @@ def load(
     if precision not in PRECISIONS:
         raise SpecDecodeError(f"unknown precision {precision!r} (supported: "
                               f"{', '.join(PRECISIONS)})")
-    name = _check_drafter(drafter)
-    k_value, auto = _check_k(k, kmax, max_step_cost)
+    if isinstance(k, bool) or not isinstance(k, int | str):
+        raise SpecDecodeError(f"k must be an integer in {K_RANGE} or 'auto', got {k!r}")
+    options = DrafterOptions(
+        name="none" if drafter in (None, "plain") else str(drafter), k=k, kmax=kmax,
+        max_step_cost=max_step_cost, draft_model=_path(draft_model), heads=_path(heads),
+        distilled=_path(distilled)).check()
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise SpecDecodeError(f"threads must be an integer >= 1, got {threads!r}")
-    if name != "none":
+    if options.speculates:
         check_batch_invariant(precision)
-    return Specdecode(model, precision=precision, drafter=name, k=k_value, auto=auto,
-                      threads=threads, backend=backend, draft_model=draft_model, heads=heads,
-                      distilled=distilled, max_step_cost=max_step_cost)
+    return Specdecode(model, precision=precision, drafter=options, threads=threads,
+                      backend=backend)
 
 
 def _path(value: str | Path | None) -> str | None:
@@ -152,10 +130,9 @@ class Specdecode:
     and every request gets a fresh drafter sharing them.
     """
 
-    def __init__(self, model: str | Path | None, *, precision: str, drafter: str, k: int,
-                 auto: bool, threads: int | None, backend: str, draft_model: str | Path | None,
-                 heads: str | Path | None, distilled: str | Path | None,
-                 max_step_cost: float | None) -> None:
+    def __init__(self, model: str | Path | None, *, precision: str = "fp32",
+                 drafter: DrafterOptions | None = None, threads: int | None = None,
+                 backend: str = "auto") -> None:
         import torch
 
         from specdecode.drafters.registry import drafter_factory
@@ -164,14 +141,25 @@ class Specdecode:
         if threads is not None:
             torch.set_num_threads(threads)
         self.threads, self.backend, self.model_spec = threads, backend, _path(model)
+        self.options = (drafter or DrafterOptions()).check()
         self.loaded = load_model(self.model_spec, precision, backend)
-        self.drafter, self.k, self.auto = drafter, k, auto
-        self.max_step_cost = max_step_cost
         tok = self.loaded.tokenizer
-        self._factory = drafter_factory(drafter, self.loaded.model, _path(draft_model),
-                                        tokenizer=tok, heads=_path(heads),
-                                        distilled=_path(distilled))
+        self._factory = drafter_factory(self.options, self.loaded.model, tokenizer=tok)
         self._eos = tuple(sorted(set(tok.eos_ids) | set(self.loaded.model.cfg.eos_token_ids)))
+
+    @property
+    def drafter(self) -> str:
+        """The drafter's name ("none": plain decoding)."""
+        return self.options.name
+
+    @property
+    def k(self) -> int:
+        """The draft length, or under "auto" the most the controller may draft."""
+        return self.options.draft_length
+
+    @property
+    def auto(self) -> bool:
+        return self.options.auto
 
     @property
     def tokenizer(self) -> Any:
@@ -234,7 +222,7 @@ class Specdecode:
         factory = self._factory
         gen = Generation(model, tok, tok.encode_prompt(text), params,
                          factory() if factory else None, self.k, self._eos)
-        steps = auto_steps(self.loaded, gen, self.max_step_cost) if self.auto and factory \
+        steps = auto_steps(self.loaded, gen, self.options.max_step_cost) if self.auto and factory \
             else gen.run()
         stream = _Stream(iter(()))
 

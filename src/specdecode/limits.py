@@ -6,6 +6,7 @@ MAX_TREE_NODES = 128  # the most nodes of one token-tree draft (Drafter.max_node
 # the `suffix` drafter's store of earlier requests: its default caps, and whose text a request
 # drafts from on the server (the default first: per user)
 SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS = 64.0, 10_000
+SUFFIX_STORE_MIN_MIB = 1 / 64  # 16 KiB: an empty store's arrays, dicts and deque fit under it
 SUFFIX_ISOLATION = ("user", "shared")
 K_RANGE = f"1..{MAX_K}"  # as error messages and help texts write it
 RULES = ("invariant", "residual")  # how sampled drafts are verified (SamplingParams.rule)

@@ -1,7 +1,6 @@
 """Memory accounting shared by the benchmark report and the server's /metrics: weight bytes
 of a module (packed weights included, shared tensors counted once), the module a drafter runs,
-the store of earlier requests a drafter factory holds (`suffix`), and this process's peak
-resident memory."""
+and this process's peak resident memory."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ import resource
 from typing import Any
 
 import torch
-
-from specdecode.suffix import SuffixStore
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -62,20 +59,6 @@ def drafter_module(drafter: Any) -> Any:
             return obj
         obj = getattr(obj, "model", None)
     return None
-
-
-def draft_store(factory: Any) -> SuffixStore | None:
-    """The store of earlier requests that a drafter factory's drafters share (the `suffix`
-    drafter's: drafters.suffix.SuffixFactory.store), or None (no factory, or no store)."""
-    store = getattr(factory, "store", None)
-    return store if isinstance(store, SuffixStore) else None
-
-
-def draft_store_bytes(factory: Any) -> int:
-    """Bytes of the factory's store of earlier requests now (0 without one): draft memory that
-    is neither weights nor KV, bounded by the store's cap."""
-    store = draft_store(factory)
-    return 0 if store is None else store.nbytes()
 
 
 def peak_rss_bytes() -> int:

@@ -44,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from specdecode.limits import SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
+from specdecode.limits import SUFFIX_STORE_MIB, SUFFIX_STORE_MIN_MIB, SUFFIX_STORE_REQUESTS
 
 NONE = -1  # no node
 WIDE = 8  # a parent with more children than this indexes them in SuffixTrie.edges
@@ -387,7 +387,7 @@ class _Document:
 
 
 DOCUMENT_BYTES = 200  # a stored document's record and deque slot, beyond its token array
-MIN_MIB = 1 / 64  # 16 KiB: an empty store's arrays, dicts and deque fit well under it
+MIN_MIB = SUFFIX_STORE_MIN_MIB
 GROWTH_PER_NODE = 24  # the bytes a new trie node adds, about (arrays ~20, hash entries, spare)
 
 

@@ -48,16 +48,17 @@ from specdecode.bench.records import (
     CostCurve,
     MemoryRecord,
     RequestSample,
+    drafter_options,
 )
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt
 from specdecode.control import Controller
 from specdecode.counters import Counters
-from specdecode.drafters.hybrid import model_part
+from specdecode.drafters.options import model_part
 from specdecode.drafters.registry import DrafterFactory, drafter_factory
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
-from specdecode.memory import draft_store_bytes, drafter_module, peak_rss_bytes, weight_bytes
+from specdecode.memory import drafter_module, peak_rss_bytes, weight_bytes
 from specdecode.models.loading import LoadedModel, file_digest
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
@@ -65,8 +66,6 @@ from specdecode.version import __version__
 
 DEFAULT_CAPACITY = 2048  # tokens of one request's context when `fit_capacity` was not called
 TURN_MARGIN = 16  # tokens per turn allowed for a reply re-tokenizing longer than generated
-AUTO_KMAX = 8  # most tokens the controller may draft for k = "auto" (option "kmax")
-RUNNER_OPTIONS = ("kmax",)  # config options the runner reads; the others go to the drafter
 AUDIT_TOKENS = 2  # tokens per outcome of the sampled audit
 DEFAULT_AUDIT = 60  # generations per side of the sampled audit (the CLI default too)
 
@@ -250,40 +249,17 @@ def factory_key(config: ConfigSpec) -> str:
     return json.dumps([config.drafter, config.options], sort_keys=True, default=str)
 
 
-def factory_kwargs(config: ConfigSpec, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """`drafter_factory` keyword arguments from a config's options ("model" -> draft_model;
-    `RUNNER_OPTIONS` are the runner's own), plus `tokenizer` where the factory takes one
-    (layerskip calibrates with it).
-
-    An option `drafter_factory` does not take raises SpecDecodeError naming it.
-    """
-    import inspect
-
-    accepted = set(inspect.signature(drafter_factory).parameters)
-    own = {"name", "target", "capacity", "tokenizer"}
-    kwargs: dict[str, Any] = {}
-    for key, value in config.options.items():
-        if key in RUNNER_OPTIONS:
-            continue
-        arg = "draft_model" if key == "model" else key
-        if arg not in accepted or arg in own:
-            raise SpecDecodeError(f"config {config.name}: drafter {config.drafter!r} takes no "
-                                  f"option {key!r}")
-        kwargs[arg] = value
-    if "tokenizer" in accepted and tokenizer is not None:
-        kwargs["tokenizer"] = tokenizer
-    return kwargs
-
-
 def config_k(config: ConfigSpec) -> int:
     """The draft length of a config: 0 for plain, k, or for k = "auto" the most the controller
-    may choose (option "kmax", default `AUTO_KMAX`)."""
+    may choose (option "kmax", DrafterOptions' default)."""
     if config.is_plain:
         return 0
-    k = config.k if isinstance(config.k, int) else config.options.get("kmax", AUTO_KMAX)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= engine.MAX_K:
-        raise SpecDecodeError(f"config {config.name}: k (or kmax) must be in 1..{engine.MAX_K}")
-    return k
+    if is_peer(config.drafter):
+        if isinstance(config.k, bool) or not isinstance(config.k, int) or \
+                not 1 <= config.k <= engine.MAX_K:
+            raise SpecDecodeError(f"config {config.name}: k must be in 1..{engine.MAX_K}")
+        return config.k
+    return drafter_options(config).draft_length
 
 
 class InProcessRunner:
@@ -375,10 +351,11 @@ class InProcessRunner:
             return None
         key = factory_key(config)
         if key not in self._factories:
-            kwargs = factory_kwargs(config, self.loaded.tokenizer)
+            options = drafter_options(config)
             try:
                 self._factories[key] = drafter_factory(
-                    config.drafter, self.loaded.model, capacity=self.capacity, **kwargs)
+                    options, self.loaded.model, capacity=self.capacity,
+                    tokenizer=self.loaded.tokenizer)
             except (TypeError, ValueError) as exc:
                 raise SpecDecodeError(f"config {config.name}: invalid drafter options "
                                       f"{config.options} ({exc})") from None
@@ -448,7 +425,8 @@ class InProcessRunner:
 
         if config.key not in self._controllers:
             costs = cached_costs(self.loaded, sorted({1, config.batch_size}), k)
-            self._controllers[config.key] = Controller(kmax=k, costs=costs)
+            self._controllers[config.key] = Controller(
+                kmax=k, costs=costs, max_step_cost=drafter_options(config).max_step_cost)
         return self._controllers[config.key]
 
     def _peer(self, config: ConfigSpec, request: TurnRequest) -> Finished:
@@ -537,9 +515,10 @@ class InProcessRunner:
         if config.key not in self._kv or is_peer(config.drafter):
             return None
         target = self.loaded.model
-        draft = 0
+        draft = store = 0
         factory = self.factory(config)
         if factory is not None:
+            store = factory.store.nbytes() if factory.store is not None else 0
             module = drafter_module(factory())
             if module is not None:
                 draft = weight_bytes(module, shared=target)
@@ -549,7 +528,7 @@ class InProcessRunner:
         return MemoryRecord(config=config.name, batch_size=config.batch_size,
                             target_weights=weight_bytes(target), draft_weights=draft,
                             target_kv=target_kv, draft_kv=draft_kv, peak_rss=peak_rss_bytes(),
-                            draft_store=draft_store_bytes(factory))
+                            draft_store=store)
 
     def audit(self, config: ConfigSpec) -> list[AuditVerdict]:
         """A sampled losslessness audit (`audit.audit_sampled`) of `config` at each temperature

@@ -7,9 +7,10 @@ by ";", each a drafter name ("plain" for plain decoding) optionally followed by 
 comma-separated key=value pairs. Keys: `k` (draft length: an integer, or "auto" for the
 controller, which drafts at most `kmax` tokens, default 8), `temperature` (overrides every
 prompt's), `name` (default: the drafter and k, e.g. "int8-k3"); any other key is a drafter option
-passed to `drafters.registry.drafter_factory` (`model=PATH` for draft-model, `ngram_max=3`,
-`layers=0+1+2` for a list). Every speculative configuration is measured against the plain one at
-its temperature, so the list needs one (it is added when missing).
+(a field of `drafters.options.DrafterOptions`: `model=PATH` for draft-model, `ngram_max=3`,
+`layers=0+1+2` for a list, `max_step_cost=1.5`), refused when the drafter does not read it.
+Every speculative configuration is measured against the plain one at its temperature, so the
+list needs one (it is added when missing).
 
 Every check that can fail on the user's input (configurations, batch sizes, workload file,
 category filter, output folder) runs before the model is loaded; drafters are built and checked
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from specdecode.bench.peers import is_peer
-from specdecode.bench.records import ConfigSpec
+from specdecode.bench.records import ConfigSpec, drafter_options
 from specdecode.bench.workloads import (
     BUILTIN_WORKLOADS,
     REPETITIVE_WORKLOAD,
@@ -63,7 +64,7 @@ LLAMACPP_CONFIGS = "plain;ngram:k=auto;ngram:k=4;llamacpp-generate;llamacpp-look
 def known_drafters() -> tuple[str, ...]:
     """Drafter names the registry knows ("none" is plain decoding)."""
     from specdecode.bench.peers import PEERS
-    from specdecode.drafters.registry import DRAFTERS
+    from specdecode.drafters.options import DRAFTERS
 
     return (*DRAFTERS, *PEERS)
 
@@ -145,11 +146,12 @@ def parse_config(item: str, precision: str) -> ConfigSpec:
                                if key not in RESERVED_KEYS}
     if drafter == "none" and options:
         raise SpecDecodeError(f"config {item!r}: plain decoding takes no drafter options")
-    if k == "auto" and not valid_k(options.get("kmax", 8)):
-        raise SpecDecodeError(f"config {item!r}: kmax must be an integer in {K_RANGE}")
     name = pairs.get("name") or default_name(drafter, k, temperature)
-    return ConfigSpec(name=name, drafter=drafter, k=k, temperature=temperature,
+    spec = ConfigSpec(name=name, drafter=drafter, k=k, temperature=temperature,
                       precision=precision, options=options)
+    if drafter != "none" and not is_peer(drafter):
+        drafter_options(spec)  # an option the drafter does not read is refused now
+    return spec
 
 
 def parse_configs(text: str, precision: str) -> list[ConfigSpec]:
@@ -411,11 +413,15 @@ def default_max_tokens(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- tune
 
 
-def tune_drafters(text: str | None) -> list[str]:
-    """--drafters as names; default: every registered drafter that needs no extra argument."""
+def tune_drafters(text: str | None, draft_model: bool = False) -> list[str]:
+    """--drafters as names; default: every registered drafter that needs no option it lacks
+    (with --draft-model, those that draft with it too)."""
+    from specdecode.drafters.options import needs
+
     known = known_drafters()
     if text is None:
-        return [d for d in known if d not in ("none", "draft-model") and not is_peer(d)]
+        return [d for d in known if d != "none" and not is_peer(d)
+                and (draft_model or not needs(d))]
     names = [d.strip() for d in text.split(",") if d.strip()]
     unknown = [d for d in names if d not in known or d == "none"]
     if unknown or not names:
@@ -426,12 +432,22 @@ def tune_drafters(text: str | None) -> list[str]:
 
 def tune_configs(drafters: Sequence[str], k_values: Sequence[int], precision: str,
                  draft_model: str | None) -> list[ConfigSpec]:
-    """plain, then every drafter at every k (greedy: the prompts' own temperatures are kept)."""
+    """plain, then every drafter at every k (greedy: the prompts' own temperatures are kept);
+    --draft-model goes to each drafter that reads it, and is refused when none does."""
+    from specdecode.drafters.options import reads
+
     configs = [ConfigSpec("plain", precision=precision)]
+    readers = [d for d in drafters if not is_peer(d) and "draft_model" in reads(d)]
+    if draft_model is not None and not readers:
+        raise SpecDecodeError(f"--draft-model: none of the drafters tuned ({', '.join(drafters)})"
+                              " drafts with a draft checkpoint")
     for d in drafters:
-        options = {"model": draft_model} if d == "draft-model" and draft_model else {}
+        options = {"model": draft_model} if d in readers and draft_model else {}
         configs += [ConfigSpec(f"{d}-k{k}", d, k, precision=precision, options=options)
                     for k in k_values]
+    for config in configs[1:]:
+        if not is_peer(config.drafter):
+            drafter_options(config)  # e.g. draft-model without --draft-model: refused now
     return configs
 
 
@@ -476,9 +492,7 @@ def plan_tune(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     k_values = parse_int_list(args.k_values, "--k-values")
     if k_values[-1] > MAX_K:
         raise SpecDecodeError(f"--k-values must be in {K_RANGE}, got {args.k_values!r}")
-    drafters = tune_drafters(args.drafters)
-    if "draft-model" in drafters and not args.draft_model:
-        raise SpecDecodeError("tuning draft-model needs --draft-model PATH")
+    drafters = tune_drafters(args.drafters, args.draft_model is not None)
     configs = tune_configs(drafters, k_values, args.precision, args.draft_model)
     check_invariant_target(args.precision, configs)
     workload = tune_workload(args)

@@ -137,7 +137,7 @@ def _on_prefix(analysis: Analysis, runs: list[ConfigSummary]) -> list[ConfigSumm
 
 def vllm_speculative_config(spec: ConfigSpec, k: int) -> tuple[dict[str, Any] | None, str]:
     """vLLM's speculative_config for a configuration, and a note (why None, or caveats)."""
-    from specdecode.drafters.hybrid import model_part
+    from specdecode.drafters.options import model_part
 
     opts = spec.options
     part = model_part(spec.drafter)

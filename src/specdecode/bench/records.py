@@ -51,6 +51,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
+from specdecode.drafters.options import DrafterOptions
 from specdecode.errors import SpecDecodeError
 
 SCHEMA_VERSION = 1
@@ -120,6 +121,16 @@ class ConfigSpec:
     @classmethod
     def from_dict(cls, data: object) -> ConfigSpec:
         return _build(cls, data, "config")
+
+
+def drafter_options(config: ConfigSpec) -> DrafterOptions:
+    """The drafter a configuration measures, as drafters.registry.drafter_factory reads it: its
+    name, k and `options` (the configuration string's key=value pairs), checked: an option the
+    drafter does not read is an error naming the configuration and the option."""
+    try:
+        return DrafterOptions.from_mapping(config.drafter, config.options, config.k)
+    except SpecDecodeError as exc:
+        raise SpecDecodeError(f"config {config.name}: {exc}") from None
 
 
 @dataclass

@@ -1,15 +1,16 @@
-"""The argument groups and checks the subcommands share, and the Python API's checks of the same
-values. The draft-length range is `limits.MAX_K`, written nowhere else. Imports nothing above
-the errors and limits modules, so every front end can use it without importing another."""
+"""The argument groups and checks the subcommands share. The draft-length range is
+`limits.MAX_K`, written nowhere else; the drafter's flags become one `DrafterOptions`
+(`drafter_options`), checked as the Python API and the bench configurations check theirs."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from specdecode.drafters.options import DEFAULT_KMAX, DrafterOptions
 from specdecode.errors import SpecDecodeError
-from specdecode.limits import K_RANGE, RULES, valid_k
+from specdecode.limits import K_RANGE, RULES
 
 MEASUREMENT_FLAGS = ("--precision", "--backend", "--threads")  # every model-running command
 
@@ -122,7 +123,8 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", default="auto",
                    help=f"draft length {K_RANGE}, or auto (default): the controller picks "
                         "0..--kmax per step from measured acceptance and costs")
-    p.add_argument("--kmax", type=int, default=8, help="largest draft length for --k auto")
+    p.add_argument("--kmax", type=int, default=DEFAULT_KMAX,
+                   help="largest draft length for --k auto")
     p.add_argument("--max-step-cost", type=float, default=None,
                    help="under --k auto, no step may cost more than this many plain steps of "
                         "the same batch (bounds the inter-token latency tail; inf: no cap; "
@@ -187,20 +189,21 @@ def sampling_params(args: argparse.Namespace) -> Any:
     return params
 
 
-def check_k(args: argparse.Namespace) -> None:
-    """Parse --k into args.k (int, the cap under auto) and args.auto (bool)."""
-    args.auto = args.k == "auto"
-    if args.auto:
-        args.k = args.kmax
-    else:
+def drafter_options(args: argparse.Namespace) -> DrafterOptions:
+    """The DrafterOptions of add_drafter_args's flags (and serve's --suffix-* flags, where the
+    command has them), checked: an option the drafter does not read is an error naming it."""
+    k: int | Literal["auto"] = "auto"
+    if args.k != "auto":
         try:
-            args.k = int(args.k)
+            k = int(args.k)
         except ValueError:
-            msg = f"--k must be an integer in {K_RANGE} or auto, got {args.k}"
-            raise SpecDecodeError(msg) from None
-    if not valid_k(args.k):
-        name = "--kmax" if args.auto else "--k"
-        raise SpecDecodeError(f"{name} must be in {K_RANGE}, got {args.k}")
-    cap = getattr(args, "max_step_cost", None)
-    if cap is not None and not cap >= 1.0:  # (nan fails this too; inf: no cap)
-        raise SpecDecodeError(f"--max-step-cost must be a number >= 1 (plain steps), got {cap}")
+            raise SpecDecodeError(f"--k must be an integer in {K_RANGE} or auto, got "
+                                  f"{args.k}") from None
+    serve = vars(args)  # the --suffix-* flags exist on `serve` only
+    options = DrafterOptions(
+        name=args.drafter, k=k, kmax=args.kmax,
+        max_step_cost=args.max_step_cost, draft_model=args.draft_model, heads=args.heads,
+        distilled=args.distilled, suffix_mib=serve.get("suffix_mib"),
+        suffix_requests=serve.get("suffix_requests"),
+        suffix_isolation=serve.get("suffix_isolation"))
+    return options.check()

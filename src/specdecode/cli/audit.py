@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdecode.cli.args import (
     add_constraint_args,
@@ -14,11 +14,14 @@ from specdecode.cli.args import (
     add_model_args,
     add_sampling_args,
     bind_constraint,
-    check_k,
     constraint_spec,
+    drafter_options,
     sampling_params,
 )
 from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:
+    from specdecode.drafters.options import DrafterOptions
 
 AUDIT_PROMPTS = (
     "Write a short poem about the sea.",
@@ -47,14 +50,12 @@ def register(sub: Any) -> None:
     a.set_defaults(func=cmd_audit, max_tokens=32)
 
 
-def _audit_drafter(args: argparse.Namespace, loaded: Any) -> Any:
+def _audit_drafter(args: argparse.Namespace, options: DrafterOptions, loaded: Any) -> Any:
     """The per-request drafter maker the audit runs, with --inject-fault applied if asked."""
     from specdecode.drafters.faults import FaultyDrafter
     from specdecode.drafters.registry import drafter_factory
 
-    factory = drafter_factory(args.drafter, loaded.model, args.draft_model,
-                              tokenizer=loaded.tokenizer, heads=args.heads,
-                              distilled=args.distilled)
+    factory = drafter_factory(options, loaded.model, tokenizer=loaded.tokenizer)
     if factory is None:
         raise SpecDecodeError("the audit needs a drafter (--drafter int8, ngram, ...)")
     if args.inject_fault is None:
@@ -73,7 +74,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from specdecode.models.loading import load_model
 
     params = sampling_params(args)
-    check_k(args)
+    options = drafter_options(args)
+    k = options.draft_length  # the audit verifies fixed drafts of this length
     if args.inject_fault is not None and params.rule != "residual" and not params.greedy:
         # the faults corrupt the q a drafter reports, which only the residual rule reads: under
         # the invariant rule they cannot change the output (the audit would rightly pass)
@@ -85,7 +87,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     spec = constraint_spec(args)
     loaded = load_model(args.model, args.precision, args.backend)
     tok = loaded.tokenizer
-    make = _audit_drafter(args, loaded)
+    make = _audit_drafter(args, options, loaded)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     constraint = bind_constraint(spec, loaded, eos)
     texts = [args.prompt] if args.prompt else list(AUDIT_PROMPTS)
@@ -93,14 +95,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
                           if tok.chat_template else t) for t in texts]
     print(f"# audit: {loaded.name} ({loaded.backend}, {loaded.precision}), drafter "
           f"{args.drafter}{' with fault ' + args.inject_fault if args.inject_fault else ''}, "
-          f"k={args.k}, temperature {params.temperature}"
+          f"k={k}, temperature {params.temperature}"
           f"{'' if params.greedy else ', rule ' + params.rule}"
           f"{', constraint ' + spec.origin if spec else ''}", file=sys.stderr)
     if params.greedy:
-        result = audit_greedy(loaded.model, prompts, params, make, args.k, eos, constraint)
+        result = audit_greedy(loaded.model, prompts, params, make, k, eos, constraint)
     else:
         bar = tqdm(total=args.samples, desc="audit samples", file=sys.stderr)
-        result = audit_sampled(loaded.model, prompts[0], params, make, args.k, args.samples,
+        result = audit_sampled(loaded.model, prompts[0], params, make, k, args.samples,
                                args.tokens, args.false_alarm, seed=args.seed or 0, eos=eos,
                                progress=lambda n: bar.update(n - bar.n), constraint=constraint)
         bar.close()

@@ -14,8 +14,8 @@ from specdecode.cli.args import (
     add_model_args,
     add_sampling_args,
     bind_constraint,
-    check_k,
     constraint_spec,
+    drafter_options,
     sampling_params,
 )
 
@@ -42,19 +42,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode.models.loading import load_model
 
     params = sampling_params(args)
-    check_k(args)
+    options = drafter_options(args)
     spec = constraint_spec(args)
     loaded = load_model(args.model, args.precision, args.backend)
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
-    factory = drafter_factory(args.drafter, loaded.model, args.draft_model, tokenizer=tok,
-                              heads=args.heads, distilled=args.distilled)
+    factory = drafter_factory(options, loaded.model, tokenizer=tok)
     eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
     gen = Generation(loaded.model, tok, tok.encode_prompt(text), params,
-                     factory() if factory else None, args.k, eos,
+                     factory() if factory else None, options.draft_length, eos,
                      constraint=bind_constraint(spec, loaded, eos))
-    steps = auto_steps(loaded, gen, args.max_step_cost) if args.auto and factory else \
+    steps = auto_steps(loaded, gen, options.max_step_cost) if options.auto and factory else \
         gen.run()
     start = time.perf_counter()
     first: float | None = None
@@ -73,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": "".join(pieces), "token_ids": gen.output, "finish_reason": gen.finish_reason,
             "seed": gen.seed, "rule": params.rule, "model": loaded.describe(),
             "drafter": args.drafter,
-            "k": "auto" if args.auto else gen.k,
+            "k": "auto" if options.auto else gen.k,
             "threads": torch.get_num_threads(),
             "timings": {"load_s": loaded.load_seconds, "ttft_s": first, "total_s": total,
                         "tokens_per_s": len(gen.output) / total if total else None},

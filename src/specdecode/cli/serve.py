@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from specdecode.cli.args import add_drafter_args, add_model_args, add_rule_arg, check_k
+from specdecode.cli.args import add_drafter_args, add_model_args, add_rule_arg, drafter_options
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import SUFFIX_ISOLATION
 from specdecode.limits import SUFFIX_STORE_MIB as SUFFIX_MIB
@@ -69,16 +69,16 @@ def register(sub: Any) -> None:
                    help="parse special-token strings (<|im_start|>...) in chat message contents "
                         "as control tokens: only for trusted callers (default: tokenized as "
                         "text, so no user can forge another turn)")
-    p.add_argument("--suffix-isolation", choices=SUFFIX_ISOLATION, default=SUFFIX_ISOLATION[0],
+    p.add_argument("--suffix-isolation", choices=SUFFIX_ISOLATION, default=None,
                    help="--drafter suffix: user (default): a request drafts only from earlier "
                         "requests of the same user (the API key presented and the request's "
                         "`user` field), since drafts from another user's text would answer "
                         "faster and so reveal it; shared: from every earlier request (one "
                         "tenant)")
-    p.add_argument("--suffix-mib", type=float, default=SUFFIX_MIB,
+    p.add_argument("--suffix-mib", type=float, default=None,
                    help="--drafter suffix: cap of the store of earlier requests in MiB; the "
                         f"oldest are evicted first (default {SUFFIX_MIB:g})")
-    p.add_argument("--suffix-requests", type=int, default=SUFFIX_REQUESTS,
+    p.add_argument("--suffix-requests", type=int, default=None,
                    help="--drafter suffix: cap of the store in requests (default "
                         f"{SUFFIX_REQUESTS})")
     add_rule_arg(p)
@@ -91,20 +91,18 @@ def register(sub: Any) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    """ServeOptions from parsed arguments (after check_k), checked."""
+    """ServeOptions from parsed arguments, checked (the drafter's: cli.args.drafter_options)."""
     from specdecode.server.state import ServeOptions
 
     options = ServeOptions(
-        drafter=args.drafter, draft_model=args.draft_model, k=args.k, auto=args.auto,
+        drafter=drafter_options(args),
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_queue=args.max_queue,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        served_model_name=args.served_model_name, max_step_cost=args.max_step_cost,
+        served_model_name=args.served_model_name,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         max_prompt_bytes=args.max_prompt_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         shutdown_timeout=args.shutdown_timeout, rule=args.rule,
-        suffix_isolation=args.suffix_isolation, suffix_mib=args.suffix_mib,
-        suffix_requests=args.suffix_requests,
     )
     options.check()
     return options
@@ -120,14 +118,12 @@ def check_installed() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_installed()
-    from specdecode.memory import draft_store
     from specdecode.models.loading import load_model
     from specdecode.server.app import create_app
     from specdecode.server.background import bind_socket, uvicorn_server
     from specdecode.server.shutdown import drain
     from specdecode.server.state import build_state
 
-    check_k(args)
     options = options_from_args(args)
     sock = bind_socket(args.host, args.port)
     if not _is_loopback(args.host) and options.api_key is None:
@@ -137,12 +133,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     state = build_state(loaded, options)
     host, port = sock.getsockname()[:2]
     store = ""
-    if draft_store(state.served.make_drafter) is not None:  # say whose text drafts come from
-        store = (f", store of earlier requests {options.suffix_mib:g} MiB / "
-                 f"{options.suffix_requests} requests, isolation {options.suffix_isolation}")
+    factory = state.served.make_drafter
+    if factory is not None and factory.store is not None:  # say whose text drafts come from
+        store = (f", store of earlier requests {factory.store.max_bytes / 2**20:g} MiB / "
+                 f"{factory.store.max_requests} requests, isolation {factory.isolation}")
+    drafter = options.drafter
     print(f"specdecode: serving {state.served.name} at http://{host}:{port}/v1 "
-          f"(drafter {options.drafter}, k {'auto' if options.auto else options.k}{store})",
-          file=sys.stderr)
+          f"(drafter {drafter.name}, k {drafter.k}{store})", file=sys.stderr)
     server = uvicorn_server(create_app(state), args.log_level,
                             drain=lambda: drain(state, options.shutdown_timeout))
     server.run(sockets=[sock])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import array
 import dataclasses
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +35,7 @@ from specdecode.sampling import (
 
 if TYPE_CHECKING:
     from specdecode.constraints import Matcher
+    from specdecode.suffix import SuffixStore
 
 EMPTY = torch.zeros(0, dtype=torch.long)  # no tokens (an empty draft, or no draft yet)
 
@@ -192,6 +193,25 @@ class Drafter(abc.ABC):
         accepted, and the tokens the step committed (the accepted ones, then the target's
         recovered or bonus token). Default: nothing."""
         return  # a default: nothing to do
+
+
+class DrafterFactory:
+    """Makes one request's drafter (drafters.registry.drafter_factory builds one per drafter
+    configuration, its weights loaded once and shared by the drafters it makes).
+
+    `store`: the store of earlier requests its drafters draft from and add to (the suffix
+    drafter's; None: none), for memory reports. `isolation`: whose earlier text a server request
+    drafts from, "user" (its own user's: a drafter's `isolation_key`) or "shared".
+    """
+
+    store: SuffixStore | None = None
+    isolation: str = "user"
+
+    def __init__(self, make: Callable[[], Drafter]) -> None:
+        self._make = make
+
+    def __call__(self) -> Drafter:
+        return self._make()
 
 
 def ids_tensor(ids: list[int]) -> torch.Tensor:

@@ -28,28 +28,19 @@ draft is verified as one-hot, a model draft against the q it was drawn from.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from specdecode.control import expected_accepted
-from specdecode.drafters.base import CacheModel, Draft, Drafter, DraftRequest, Rounds
+from specdecode.drafters.base import (
+    CacheModel,
+    Draft,
+    Drafter,
+    DrafterFactory,
+    DraftRequest,
+    Rounds,
+)
 from specdecode.trees import path_sums
 
 MIN_EXPECTED = 0.6
-PREFIX = "ngram+"  # a hybrid's name: its lookup (this, or SUFFIX_PREFIX), then its model's
-SUFFIX_PREFIX = "suffix+"  # the lookup is drafters.suffix (token trees, earlier requests too)
-
-
-def model_part(name: str) -> str | None:
-    """The model drafter of a hybrid's name ("ngram+w4a16" -> "w4a16"); None for another name."""
-    for prefix in (PREFIX, SUFFIX_PREFIX):
-        if name.startswith(prefix):
-            return name.removeprefix(prefix)
-    return None
-
-
-def lookup_part(name: str) -> str:
-    """The lookup drafter of a hybrid's name ("suffix+w4a16" -> "suffix")."""
-    return "suffix" if name.startswith(SUFFIX_PREFIX) else "ngram"
 
 
 def expected_tokens(draft: Draft) -> float:
@@ -64,14 +55,13 @@ def expected_tokens(draft: Draft) -> float:
     return max(path_sums(draft), default=0.0)
 
 
-class HybridFactory:
-    """Makes hybrids of one lookup factory and one model factory; `store` is the lookup's
-    store of earlier requests (suffix), if any, for memory reports and isolation checks."""
+class HybridFactory(DrafterFactory):
+    """Makes hybrids of one lookup factory and one model factory; its `store` and `isolation`
+    are the lookup's (suffix+X: its store of earlier requests)."""
 
-    def __init__(self, lookup: Callable[[], Drafter], model: Callable[[], Drafter],
-                 name: str) -> None:
+    def __init__(self, lookup: DrafterFactory, model: Callable[[], Drafter], name: str) -> None:
         self.lookup, self.model, self.name = lookup, model, name
-        self.store: Any = getattr(lookup, "store", None)
+        self.store, self.isolation = lookup.store, lookup.isolation
 
     def __call__(self) -> HybridDrafter:
         return HybridDrafter(self.lookup(), self.model(), self.name)

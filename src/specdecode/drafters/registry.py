@@ -1,28 +1,32 @@
 """Drafters by name, as the CLI, the benchmark and the server ask for them.
 
-`drafter_factory` loads whatever weights a drafter needs once and returns a function that makes
-a fresh per-request drafter sharing them.
+`drafter_factory` reads a `DrafterOptions` (drafters.options: every front end builds one),
+loads whatever weights the drafter needs once and returns a `DrafterFactory` that makes a fresh
+per-request drafter sharing them.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
-from specdecode.drafters.base import Drafter, require_native
-from specdecode.drafters.hybrid import PREFIX, SUFFIX_PREFIX, lookup_part, model_part
+from specdecode.drafters.base import DrafterFactory, require_native
+from specdecode.drafters.options import (
+    DRAFTERS,
+    DrafterOptions,
+    lookup_part,
+    model_part,
+    reads,
+    tree_base,
+)
 from specdecode.errors import SpecDecodeError
-from specdecode.limits import SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
+from specdecode.limits import SUFFIX_ISOLATION, SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
 
-TREE_SUFFIX = "-tree"  # X-tree: draft model X proposing sibling leaves where unsure (trees)
-TREE_MODELS = ("w4a16", "int8", "distilled", "draft-model")
-DRAFTERS = ("none", "draft-model", "int8", "w4a16", "ngram", "layerskip", "heads", "distilled",
-            "xtok", "suffix", "ngram-tree", *(m + TREE_SUFFIX for m in TREE_MODELS),
-            *(prefix + m for prefix in (PREFIX, SUFFIX_PREFIX)
-              for m in ("w4a16", "int8", "distilled", "draft-model", "layerskip")))
+__all__ = ["DRAFTERS", "DrafterFactory", "DrafterOptions", "drafter_factory"]
 
-DrafterFactory = Callable[[], Drafter]
+NGRAM_MAX = 8  # the longest n-gram a lookup matches by default (ngram_max)
 
 
 # Targets whose logits for a position depend on what else is scored with it, and why.
@@ -83,83 +87,77 @@ def check_measured_invariance(target: Any) -> None:
     raise SpecDecodeError(message)
 
 
-def drafter_factory(
-    name: str,
-    target: Any,
-    draft_model: str | None = None,
-    capacity: int = 4096,
-    *,
-    ngram_max: int = 8,
-    ngram_min: int = 1,
-    layers: Sequence[int] | None = None,
-    tokenizer: Any | None = None,
-    heads: str | None = None,
-    distilled: str | None = None,
-    suffix_mib: float = SUFFIX_STORE_MIB,
-    suffix_requests: int = SUFFIX_STORE_REQUESTS,
-    tree_nodes: int = 0,
-) -> DrafterFactory | None:
-    """A maker of per-request drafters for `target` (a runner); None for 'none'.
+def drafter_factory(options: DrafterOptions | str, target: Any, *, capacity: int = 4096,
+                    tokenizer: Any | None = None) -> DrafterFactory | None:
+    """A maker of per-request drafters for `target` (a runner) as `options` say (a bare name:
+    that drafter with its defaults); None for "none". The options are checked first
+    (DrafterOptions.check: an option the drafter does not read is an error naming it).
 
-    ngram: n-gram sizes tried, ngram_max down to ngram_min. layerskip: the blocks the draft runs
-    (`layers`), else the calibrated default for this model, cached, or calibrated now with
-    `tokenizer` (once per model; see drafters.layerskip). heads: the folder of trained heads
-    (default: the weights shipped for the default target; refused if made for another target).
-    distilled: the folder of a distilled draft (default: the one shipped for the default target;
-    refused if made for another target). ngram+X: prompt lookup where it expects to pay, else
-    drafter X (drafters.hybrid). suffix, ngram-tree: token trees from a suffix index
-    (drafters.suffix) matching up to ngram_max tokens (at least ngram_min), of at most
-    `tree_nodes` nodes (0: the drafter's default); suffix: the factory (a
-    drafters.suffix.SuffixFactory) shares one store of earlier requests, capped at `suffix_mib`
-    MiB and `suffix_requests` requests, among its drafters; set a drafter's `isolation_key`
-    (None: the shared scope) before its request's first step to draft only from its key's text.
+    `capacity` bounds a request's context for drafters with their own KV cache; `tokenizer` is
+    the target's (xtok drafts through text; layerskip calibrates with it). ngram: n-gram sizes
+    tried, ngram_max down to ngram_min. layerskip: the blocks the draft runs (`layers`), else the
+    calibrated default for this model, cached, or calibrated now (once per model; see
+    drafters.layerskip). heads, distilled: the folder of trained heads or of a distilled draft
+    (default: the ones shipped for the default target; refused if made for another target).
+    ngram+X: prompt lookup where it expects to pay, else drafter X (drafters.hybrid). suffix,
+    ngram-tree: token trees from a suffix index (drafters.suffix) of at most `tree_nodes` nodes;
+    suffix: the factory's drafters share one store of earlier requests (`DrafterFactory.store`,
+    capped at suffix_mib MiB and suffix_requests requests) under `suffix_isolation`.
     """
+    opts = DrafterOptions(options) if isinstance(options, str) else options
+    opts.check()
+    return _factory(opts, target, capacity, tokenizer)
+
+
+def _factory(opts: DrafterOptions, target: Any, capacity: int, tokenizer: Any | None
+             ) -> DrafterFactory | None:
+    name = opts.name
     part = model_part(name)
-    if part is not None and name in DRAFTERS:  # lookup first, then a model drafter
+    if part is not None:  # lookup first, then a model drafter
         from specdecode.drafters.hybrid import HybridFactory
 
-        lookup = drafter_factory(lookup_part(name), target, ngram_max=ngram_max,
-                                 ngram_min=ngram_min, suffix_mib=suffix_mib,
-                                 suffix_requests=suffix_requests, tree_nodes=tree_nodes)
-        model = drafter_factory(part, target, draft_model, capacity, layers=layers,
-                                tokenizer=tokenizer, distilled=distilled)
-        if lookup is None or model is None:
-            raise SpecDecodeError(f"--drafter {name} needs a model drafter after the '+'")
+        lookup = _factory(_only(opts, lookup_part(name)), target, capacity, tokenizer)
+        model = _factory(_only(opts, part), target, capacity, tokenizer)
+        assert lookup is not None and model is not None
         return HybridFactory(lookup, model, name)
     if name == "none":
         return None
-    base = name.removesuffix(TREE_SUFFIX)
-    if base != name and base in TREE_MODELS:  # the model drafter with sibling leaves: trees
+    base = tree_base(name)
+    if base is not None:  # the model drafter with sibling leaves: trees
         from specdecode.drafters.draft_model import with_siblings
 
-        make = drafter_factory(base, target, draft_model, capacity, distilled=distilled)
+        make = _factory(dataclasses.replace(opts, name=base), target, capacity, tokenizer)
         assert make is not None
-        return lambda: with_siblings(make(), name)
+        return DrafterFactory(lambda: with_siblings(make(), name))
     check_batch_invariant(getattr(target, "precision", "fp32"))
     check_measured_invariance(target)
+    ngram_max = opts.ngram_max if opts.ngram_max is not None else NGRAM_MAX
+    ngram_min = opts.ngram_min if opts.ngram_min is not None else 1
     if name == "ngram":
         return _ngram(ngram_max, ngram_min)
     if name in ("suffix", "ngram-tree"):
-        return _tree_lookup(name, ngram_max, ngram_min, tree_nodes, suffix_mib, suffix_requests)
+        return _tree_lookup(opts, ngram_max, ngram_min)
     if name == "layerskip":
-        return _layerskip(target, layers, tokenizer, capacity)
+        return _layerskip(target, opts.layers, tokenizer, capacity)
     if name == "heads":
-        return _heads(target, heads, capacity)
+        return _heads(target, opts.heads, capacity)
     if name == "distilled":
-        return _distilled(target, distilled, capacity)
+        return _distilled(target, opts.distilled, capacity)
     if name in ("int8", "w4a16"):
         return _quantized_copy(name, target, capacity)
+    assert opts.draft_model is not None  # DrafterOptions.check: both need one
     if name == "draft-model":
-        return _draft_model(target, draft_model, capacity)
-    if name == "xtok":
-        if not draft_model:
-            raise SpecDecodeError(
-                "--drafter xtok needs --draft-model PATH (a draft with its own tokenizer)"
-            )
-        from specdecode.drafters.xtok import xtok_factory
+        return _draft_model(target, opts.draft_model, capacity)
+    from specdecode.drafters.xtok import xtok_factory
 
-        return xtok_factory(tokenizer, draft_model, capacity)
-    raise SpecDecodeError(f"unknown drafter '{name}' (known: {', '.join(DRAFTERS)})")
+    return DrafterFactory(xtok_factory(tokenizer, opts.draft_model, capacity))
+
+
+def _only(opts: DrafterOptions, name: str) -> DrafterOptions:
+    """The options of one part of a hybrid: `name`, with only the options it reads."""
+    used = reads(name)
+    unused: dict[str, Any] = {option: None for option in opts.given() if option not in used}
+    return dataclasses.replace(opts, name=name, **unused)
 
 
 def _ngram(ngram_max: int, ngram_min: int) -> DrafterFactory:
@@ -168,11 +166,10 @@ def _ngram(ngram_max: int, ngram_min: int) -> DrafterFactory:
     NgramDrafter(ngram_max, ngram_min)  # check the sizes now, not at the first request
     stats = RegimeStats()  # acceptance by match length and sampling regime, learned across
     # this factory's requests
-    return lambda: NgramDrafter(ngram_max, ngram_min, stats=stats)
+    return DrafterFactory(lambda: NgramDrafter(ngram_max, ngram_min, stats=stats))
 
 
-def _tree_lookup(name: str, ngram_max: int, ngram_min: int, tree_nodes: int, suffix_mib: float,
-                 suffix_requests: int) -> DrafterFactory:
+def _tree_lookup(opts: DrafterOptions, ngram_max: int, ngram_min: int) -> DrafterFactory:
     from specdecode.drafters.ngram import RegimeStats
     from specdecode.drafters.suffix import (
         MAX_DEPTH,
@@ -183,17 +180,22 @@ def _tree_lookup(name: str, ngram_max: int, ngram_min: int, tree_nodes: int, suf
     )
     from specdecode.suffix import SuffixStore
 
-    if name == "suffix":
+    if opts.name == "suffix":
+        mib = opts.suffix_mib if opts.suffix_mib is not None else SUFFIX_STORE_MIB
+        requests = opts.suffix_requests if opts.suffix_requests is not None else \
+            SUFFIX_STORE_REQUESTS
         try:
-            store = SuffixStore(suffix_mib, suffix_requests, ngram_max + MAX_DEPTH)
+            store = SuffixStore(mib, requests, ngram_max + MAX_DEPTH)
         except ValueError as e:
             raise SpecDecodeError(str(e)) from None
-        return SuffixFactory(store, tree_nodes or SUFFIX_NODES, ngram_max, ngram_min)
-    nodes = tree_nodes or NGRAM_TREE_NODES
+        return SuffixFactory(store, opts.tree_nodes or SUFFIX_NODES, ngram_max, ngram_min,
+                             isolation=opts.suffix_isolation or SUFFIX_ISOLATION[0])
+    nodes = opts.tree_nodes or NGRAM_TREE_NODES
+    name = opts.name
     TreeLookupDrafter(name, nodes, max_match=ngram_max, min_match=ngram_min)  # check now
     stats = RegimeStats()  # learned across this factory's requests, as the n-gram drafter's
-    return lambda: TreeLookupDrafter(name, nodes, max_match=ngram_max, min_match=ngram_min,
-                                     stats=stats)
+    return DrafterFactory(lambda: TreeLookupDrafter(name, nodes, max_match=ngram_max,
+                                                    min_match=ngram_min, stats=stats))
 
 
 def _layerskip(target: Any, layers: Sequence[int] | None, tokenizer: Any | None,
@@ -210,7 +212,7 @@ def _layerskip(target: Any, layers: Sequence[int] | None, tokenizer: Any | None,
         target, tokenizer, default_budget(target)
     ).layers
     check_layers(target, kept)
-    return lambda: LayerSkipDrafter(target, kept, capacity)
+    return DrafterFactory(lambda: LayerSkipDrafter(target, kept, capacity))
 
 
 def _heads(target: Any, heads: str | None, capacity: int) -> DrafterFactory:
@@ -220,7 +222,7 @@ def _heads(target: Any, heads: str | None, capacity: int) -> DrafterFactory:
 
     require_native(target, "heads")
     model = load_heads(target, Path(heads).expanduser() if heads else default_heads_dir())
-    return lambda: HeadsDrafter(model, capacity)
+    return DrafterFactory(lambda: HeadsDrafter(model, capacity))
 
 
 def _distilled(target: Any, distilled: str | None, capacity: int) -> DrafterFactory:
@@ -233,9 +235,9 @@ def _distilled(target: Any, distilled: str | None, capacity: int) -> DrafterFact
     if getattr(target, "backend", "") == "llama.cpp":  # exported to GGUF once, then cached
         from specdecode.drafters.distilled_gguf import llamacpp_distilled_factory
 
-        return llamacpp_distilled_factory(target, folder, capacity)
+        return DrafterFactory(llamacpp_distilled_factory(target, folder, capacity))
     draft = load_distilled(folder, target)
-    return lambda: DraftModelDrafter(draft, "distilled", capacity)
+    return DrafterFactory(lambda: DraftModelDrafter(draft, "distilled", capacity))
 
 
 def _quantized_copy(name: str, target: Any, capacity: int) -> DrafterFactory:
@@ -249,15 +251,13 @@ def _quantized_copy(name: str, target: Any, capacity: int) -> DrafterFactory:
         weights = quantize_int8(copy.deepcopy(target))
     else:
         weights = apply_precision(target, "w4a16")
-    return lambda: DraftModelDrafter(weights, name, capacity, in_cache=True)
+    return DrafterFactory(lambda: DraftModelDrafter(weights, name, capacity, in_cache=True))
 
 
-def _draft_model(target: Any, draft_model: str | None, capacity: int) -> DrafterFactory:
+def _draft_model(target: Any, draft_model: str, capacity: int) -> DrafterFactory:
     from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
     from specdecode.models.loading import load_model
 
-    if not draft_model:
-        raise SpecDecodeError("--drafter draft-model needs --draft-model PATH")
     on_llamacpp = getattr(target, "backend", "") == "llama.cpp"  # a GGUF draft there too
     if on_llamacpp and draft_model.endswith(".gguf"):
         from pathlib import Path
@@ -266,7 +266,7 @@ def _draft_model(target: Any, draft_model: str | None, capacity: int) -> Drafter
 
         if sidecar_path(Path(draft_model).expanduser()).is_file():  # a subset-head export
             sub = load_gguf_draft(Path(draft_model).expanduser(), target)
-            return lambda: DraftModelDrafter(sub, "draft-model", capacity)
+            return DrafterFactory(lambda: DraftModelDrafter(sub, "draft-model", capacity))
     draft = load_model(draft_model, backend="llama.cpp" if on_llamacpp else "auto").model
     check_vocab(target, draft, draft_model)
-    return lambda: DraftModelDrafter(draft, "draft-model", capacity)
+    return DrafterFactory(lambda: DraftModelDrafter(draft, "draft-model", capacity))

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest
+from specdecode.drafters.base import EMPTY, Draft, Drafter, DrafterFactory, DraftRequest
 from specdecode.drafters.ngram import MatchStats, RegimeStats
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_TREE_NODES
@@ -216,15 +216,18 @@ def _draft(tree: CandidateTree, length: int, stats: MatchStats, chain: bool) -> 
     return Draft(tokens, None, confidence, parents)
 
 
-class SuffixFactory:
+class SuffixFactory(DrafterFactory):
     """Makes `suffix` drafters that share one SuffixStore (one per factory: per server, per
     bench run) and one set of acceptance rates. A caller isolating users sets each drafter's
     `isolation_key` after making it (or this factory's `isolation_key`, the default of the
-    drafters it makes afterwards); `store` is there for memory reports (`store.nbytes()`)."""
+    drafters it makes afterwards); `isolation` says whether a server does ("user") or not
+    ("shared"); `store` is there for memory reports (`store.nbytes()`)."""
 
     def __init__(self, store: SuffixStore, max_nodes: int = SUFFIX_NODES,
-                 max_match: int = MAX_MATCH, min_match: int = 1) -> None:
-        self.store = store
+                 max_match: int = MAX_MATCH, min_match: int = 1, isolation: str = "user"
+                 ) -> None:
+        self.store: SuffixStore = store
+        self.isolation = isolation
         self.max_nodes, self.max_match, self.min_match = max_nodes, max_match, min_match
         self.stats = RegimeStats()
         self.isolation_key: str | None = None

@@ -8,7 +8,6 @@ the batch engine over one shared KV cache (with the controller and its measured 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 import time
@@ -18,20 +17,20 @@ from typing import Any
 
 from specdecode.calibration import calibrated_costs
 from specdecode.control import Controller, CostModel
+from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine
 from specdecode.errors import SpecDecodeError
-from specdecode.limits import SUFFIX_ISOLATION, SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
-from specdecode.memory import draft_store, drafter_module, weight_bytes
+from specdecode.limits import SUFFIX_ISOLATION
+from specdecode.memory import drafter_module, weight_bytes
 from specdecode.models.loading import LoadedModel
 from specdecode.server.connections import HEADER_TIMEOUT_S
-from specdecode.server.isolation import MODES, Isolable, Isolation
+from specdecode.server.isolation import Isolable, Isolation
 from specdecode.server.openai_errors import APIError
 from specdecode.server.prepare import ServedModel
 from specdecode.server.prometheus import ServerMetrics
 from specdecode.server.tokens import PromptEncoder
 from specdecode.server.worker import EngineWorker
-from specdecode.suffix import MIN_MIB
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 BODY_TIMEOUT_S = 60.0  # a whole body of MAX_BODY_BYTES then needs >= 17 kB/s
@@ -55,17 +54,18 @@ def _lower_priority() -> None:
 class ServeOptions:
     """Everything `specdecode serve` takes besides the model and the network address."""
 
-    drafter: str = "none"
-    draft_model: str | None = None
-    k: int = 8  # the draft length; under `auto`, the largest the controller may choose
-    auto: bool = True
+    # the drafter, its draft length (k "auto" by default: the controller picks 0..kmax per
+    # step, each step at most max_step_cost plain steps) and its options; the suffix drafter's
+    # store caps and isolation (whose earlier text a request drafts from, server.isolation:
+    # "user", the default, closes the timing side channel between users; "shared": one scope
+    # for all) among them
+    drafter: DrafterOptions = field(default_factory=DrafterOptions)
     max_batch: int = 8
     max_seq_len: int = 2048
     max_queue: int = 64
     api_key: str | None = None
     served_model_name: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
-    max_step_cost: float | None = None  # under auto: the controller's tail-latency cap
     # parse special-token strings in chat message contents as control tokens (trusted callers)
     allow_special_tokens_in_content: bool = False
     # prompt text over this many UTF-8 bytes is refused before tokenizing (None: the window x
@@ -75,12 +75,6 @@ class ServeOptions:
     header_timeout: float = HEADER_TIMEOUT_S  # seconds for a request's complete headers
     body_timeout: float = BODY_TIMEOUT_S  # seconds for its complete body (then 408)
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # on SIGTERM: for in-flight requests to end
-    # --drafter suffix: whose earlier text a request drafts from (server.isolation: "user", the
-    # default, closes the timing side channel between users; "shared": one scope for all), and
-    # the store's caps
-    suffix_isolation: str = SUFFIX_ISOLATION[0]
-    suffix_mib: float = SUFFIX_STORE_MIB
-    suffix_requests: int = SUFFIX_STORE_REQUESTS
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
@@ -101,15 +95,7 @@ class ServeOptions:
                                   f"{self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key.strip():
             raise SpecDecodeError("--api-key must not be empty")
-        if self.suffix_isolation not in MODES:
-            raise SpecDecodeError(f"--suffix-isolation must be one of {', '.join(MODES)}, got "
-                                  f"{self.suffix_isolation!r}")
-        # checked for every drafter: a bad value is a mistake even where it is not used yet
-        if not (math.isfinite(self.suffix_mib) and self.suffix_mib >= MIN_MIB):
-            raise SpecDecodeError(f"--suffix-mib must be a number of MiB >= {MIN_MIB:g} (16 KiB),"
-                                  f" got {self.suffix_mib}")
-        if self.suffix_requests < 1:
-            raise SpecDecodeError(f"--suffix-requests must be >= 1, got {self.suffix_requests}")
+        self.drafter.check()
 
 
 @dataclass
@@ -151,23 +137,22 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
     """
     options.check()
     model, tok = loaded.model, loaded.tokenizer
-    factory = drafter_factory(options.drafter, model, options.draft_model,
-                              capacity=options.max_seq_len, tokenizer=tok,
-                              suffix_mib=options.suffix_mib,
-                              suffix_requests=options.suffix_requests)
-    store = draft_store(factory)
-    isolation = Isolation(options.suffix_isolation)
+    factory = drafter_factory(options.drafter, model, capacity=options.max_seq_len,
+                              tokenizer=tok)
+    store = factory.store if factory is not None else None
+    isolation = Isolation(factory.isolation if factory is not None else SUFFIX_ISOLATION[0])
     if store is not None and isolation.mode != "shared":
-        _check_isolable(factory, options.drafter)
-    k = options.k if factory is not None else 0
+        _check_isolable(factory, options.drafter.name)
+    k = options.drafter.draft_length if factory is not None else 0
     window = min(int(model.cfg.max_position), options.max_seq_len - k - 1)
     if window < 2:
         raise SpecDecodeError(f"--max-seq-len {options.max_seq_len} leaves no room for a "
                               f"request with k={k}")
     controller = None
-    if factory is not None and options.auto:
+    if factory is not None and options.drafter.auto:
         costs = costs or calibrated_costs(model, _calibration_batches(options.max_batch), k)
-        controller = Controller(kmax=k, costs=costs, max_step_cost=options.max_step_cost)
+        controller = Controller(kmax=k, costs=costs,
+                                max_step_cost=options.drafter.max_step_cost)
     engine = BatchEngine(model, options.max_batch, options.max_seq_len, controller=controller)
     name = options.served_model_name or loaded.name
     prompts = PromptEncoder(tok, options.allow_special_tokens_in_content)
