@@ -35,7 +35,7 @@ def cli_error(argv: list[str]) -> str:
     """The one error line of a command that must fail (exit status 2)."""
     code, out, err = run_cli(argv)
     lines = [line for line in err.splitlines() if line.startswith("specdecode: error:")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err and not out, err
     return lines[0]
 
 
