@@ -1,0 +1,294 @@
+"""This project's lookup drafters inside vLLM, as proposers for its `"method": "custom_class"`.
+
+    --speculative-config '{"method": "custom_class",
+        "model": "specdecode.integrations.vllm.NgramLookup", "num_speculative_tokens": 8}'
+
+**The interface** (vLLM 0.32, `vllm/v1/spec_decode/custom_class_proposer.py` and the model
+runner): vLLM builds the class with its `VllmConfig`, calls `load_model(model)` once (the CPU
+runner does), then on the worker, after every engine step,
+`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)`:
+`sampled_token_ids[i]` are the tokens row i emitted in this step (its accepted draft tokens and
+one more; empty while its prompt is still being prefilled), `token_ids_cpu[i, :n]` with
+`n = num_tokens_no_spec[i]` its request's tokens so far (prompt and output, this step's
+included). It expects one list of draft token ids per row, at most `num_speculative_tokens`
+long; an empty list drafts nothing for that row. vLLM verifies drafts itself (greedy: the
+target's argmax; sampled: its rejection sampler), so no proposal can change a greedy output.
+
+**What vLLM does not give a proposer**, and what follows:
+
+- *No request identity.* A row is a slot that vLLM refills and compacts as requests come and
+  go. Requests are followed from step to step by their tokens (a row's tokens extend what the
+  drafter saw at the previous step; a request moved to another row is found among the rows that
+  no longer match). Two requests with identical tokens are indistinguishable, harmlessly: their
+  drafters would hold the same state.
+- *No end of request.* A drafter whose request appears in no row any more is taken to have
+  finished; `SuffixLookup` stores its text then (the tokens it saw, so the last step's few
+  tokens are missing, and a request that was aborted is stored as well).
+- *No user, hence no isolation.* The project's own server drafts each user's requests only from
+  that user's earlier ones (docs/serving.md, "Why isolation"); here every request drafts from
+  every earlier request of the server, so one user can time another's text. Use `SuffixLookup`
+  only where all traffic belongs to one tenant. Its store is one per server process, bounded by
+  `SPECDECODE_SUFFIX_MIB` (MiB, default 64) and `suffix_decoding_max_cached_requests` of the
+  speculative config (default 10000), oldest requests evicted first.
+- *No sampling parameters.* The lookups' acceptance rates by match length are kept as for
+  greedy traffic and learned from every request's outcome, whatever its temperature.
+- *No costs.* The time between two `propose` calls is one engine step (forward, sampling and
+  this proposer). That is what the cost table t(B, T) and the hold-off are learned from.
+
+**The classes**:
+
+- `NgramLookup`: the confidence-driven n-gram lookup (drafters.ngram): per request the tokens
+  that followed the longest earlier match, each with the learned acceptance rate of matches
+  that long; the verification width is the one whose expected tokens per second are best
+  (control.best_width over the measured t(B, T)), so a row drafts nothing where nothing is
+  likely enough to pay for its verification.
+- `SuffixLookup`: the same over the request's own tokens and a store of the server's earlier
+  requests (drafters.suffix, chains only: vLLM verifies no trees).
+- Both hold drafts off where they do not pay (control.PayGuard): per batch size, the tokens per
+  second of steps that drafted against steps that did not, judged per window of 16 drafting
+  steps; a losing window stops drafting for a while (16 steps, doubling), and one step in 32 is
+  plain so the comparison stays current.
+
+The module imports without vLLM (nothing of vLLM is imported at all: the config is read by
+attribute), so its logic is tested on synthetic steps; tests/test_vllm_integration.py runs it
+inside vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdecode.control import CostModel, PayGuard, best_width
+from specdecode.drafters.base import Drafter, DraftRequest
+from specdecode.drafters.ngram import NgramDrafter, RegimeStats
+from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.limits import SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
+from specdecode.sampling import SamplingParams
+from specdecode.suffix import MIN_MIB, SuffixStore
+
+log = logging.getLogger(__name__)
+
+GREEDY = SamplingParams()
+MAX_GAP_S = 10.0  # a gap this long between two steps is idle time, not a step: not learned from
+CHECK = 16  # tokens compared at each end of what a drafter saw to follow a request across rows
+SUFFIX_MIB_ENV = "SPECDECODE_SUFFIX_MIB"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a proposer reads from vLLM's config."""
+
+    k: int  # num_speculative_tokens: the most draft tokens a row may get
+    max_model_len: int
+    max_cached_requests: int  # the suffix store's cap in requests
+
+
+def settings(vllm_config: Any) -> Settings:
+    """The proposer's settings from a VllmConfig (read by attribute: vLLM is not imported)."""
+    spec = vllm_config.speculative_config
+    k = int(spec.num_speculative_tokens)
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+    cached = getattr(spec, "suffix_decoding_max_cached_requests", None)
+    return Settings(k, int(vllm_config.model_config.max_model_len),
+                    int(cached) if cached else SUFFIX_STORE_REQUESTS)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What the last call proposed, to learn from when the next call ends the step."""
+
+    rows: int  # rows decoding
+    width: int  # 1 + the longest draft sent
+    drafted: bool  # some row got a draft
+    clean: bool  # no row was prefilling: the step's time is decoding's
+    at: float  # perf_counter at the call
+
+
+class LookupProposer:
+    """The common part: following requests across rows, the width that pays, the hold-off.
+    Subclasses make the per-request drafter (`new_drafter`), say what it has seen (`seen`),
+    and may act when its request ends (`finish`)."""
+
+    hold = True  # the hold-off (PayGuard); False only in tests (its broken variant)
+    clock = staticmethod(time.perf_counter)  # a step's time: tests replace it
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.settings = settings(vllm_config)
+        self.stats = RegimeStats()  # acceptance by match length, learned from all traffic
+        self.costs = CostModel()  # t(B, T): seconds of a step of B rows at width T
+        self.guard = PayGuard()
+        self.step = 0
+        self.rows: dict[int, Drafter] = {}
+        self._last: _Step | None = None
+        # counters, for logs and tests: steps that drafted, steps held off, tokens sent
+        self.drafting_steps = self.held_steps = self.draft_tokens = 0
+
+    # -------------------------------------------------------------- subclass hooks
+
+    def new_drafter(self) -> Drafter:
+        raise NotImplementedError
+
+    def seen(self, drafter: Drafter) -> list[int]:
+        raise NotImplementedError
+
+    def finish(self, drafter: Drafter) -> None:
+        """The drafter's request appears in no row any more."""
+
+    # -------------------------------------------------------------- vLLM's interface
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """No model: a lookup."""
+
+    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: Any,
+                token_ids_cpu: Any, slot_mappings: Any = None, **unused: Any) -> list[list[int]]:
+        now = self.clock()
+        self.step += 1
+        contexts: dict[int, np.ndarray] = {}
+        for row, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[row])
+            if len(sampled) and n < self.settings.max_model_len:
+                contexts[row] = np.asarray(token_ids_cpu[row, :n])
+        fresh = self._assign(contexts, len(sampled_token_ids))
+        clean = not fresh and len(contexts) == len(sampled_token_ids)
+        self._learn(now, sampled_token_ids, clean)
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        drafts: dict[int, tuple[list[int], tuple[float, ...]]] = {}
+        for row, context in contexts.items():
+            k = min(self.settings.k, self.settings.max_model_len - len(context) - 1)
+            if k <= 0:
+                continue  # the drafter still learns from this step at its next call
+            draft = self.rows[row].propose(DraftRequest(
+                torch.from_numpy(context.astype(np.int64)), k, GREEDY, prompt_len=0))
+            if len(draft.tokens) and draft.confidence is not None:
+                drafts[row] = (draft.tokens.tolist(), draft.confidence)
+        width = 1
+        if drafts and self.allows(len(contexts)):
+            batch = len(contexts)
+            width = best_width([c for _, c in drafts.values()],
+                               lambda t: self.costs.target(batch, t))
+            for row, (tokens, _conf) in drafts.items():
+                out[row] = tokens[: width - 1]
+        elif drafts:
+            self.held_steps += 1
+        sent = sum(len(d) for d in out)
+        self.drafting_steps += sent > 0
+        self.draft_tokens += sent
+        width = 1 + max((len(d) for d in out), default=0)
+        self._last = _Step(len(contexts), width, sent > 0, clean, now)
+        return out
+
+    # -------------------------------------------------------------- internals
+
+    def allows(self, batch: int) -> bool:
+        """May this step draft? The hold-off's verdict (always, without it)."""
+        return not self.hold or self.guard.allows(batch, self.step)
+
+    def _assign(self, contexts: dict[int, np.ndarray], rows: int) -> list[int]:
+        """Give each decoding row the drafter of its request: the row's own from the last step
+        if its tokens extend what that drafter saw, else another row's that they extend (vLLM
+        moved the request), else a new one. Drafters left over have finished. Returns the rows
+        given a new drafter (requests that just finished their prefill)."""
+        free = dict(self.rows)
+        kept: dict[int, Drafter] = {}
+        fresh: list[int] = []
+        for row, context in contexts.items():
+            own = free.get(row)
+            if own is not None and _extends(context, self.seen(own)):
+                kept[row] = free.pop(row)
+                continue
+            moved = next((r for r, d in free.items() if _extends(context, self.seen(d))), None)
+            if moved is not None:
+                kept[row] = free.pop(moved)
+            else:
+                kept[row] = self.new_drafter()
+                fresh.append(row)
+        for row in range(rows):  # a row not decoding this step keeps its drafter
+            if row not in contexts and row in free:
+                kept[row] = free.pop(row)
+        for drafter in free.values():
+            self.finish(drafter)
+        self.rows = kept
+        return fresh
+
+    def _learn(self, now: float, sampled: Sequence[Sequence[int]], clean: bool) -> None:
+        """The step that just ended (from the last call to this one): its time into t(B, T)
+        and the hold-off, when it was decoding only (no prefill, same rows, no idle gap)."""
+        last = self._last
+        if last is None or not (clean and last.clean) or last.rows != len(sampled):
+            return
+        seconds = now - last.at
+        if not 0 < seconds < MAX_GAP_S or last.rows == 0:
+            return
+        tokens = sum(len(s) for s in sampled)
+        self.costs.observe_target(last.rows, last.width, seconds)
+        holds = self.guard.holds
+        self.guard.observe(last.rows, last.drafted, tokens, seconds, self.step, self.costs)
+        if self.guard.holds > holds:
+            log.info("specdecode: drafts did not pay at batch %d: held off until step %d",
+                     last.rows, self.guard.hold_until[last.rows])
+
+
+def _extends(context: np.ndarray, seen: list[int]) -> bool:
+    """Whether `context` continues the tokens a drafter saw (compared at both ends; the
+    drafter itself checks the whole prefix and starts afresh if it differs)."""
+    n = len(seen)
+    if n == 0 or len(context) < n:
+        return False
+    head = min(CHECK, n)
+    return (np.array_equal(context[:head], seen[:head])
+            and np.array_equal(context[n - head : n], seen[n - head :]))
+
+
+def suffix_mib(value: str | None) -> float:
+    """The suffix store's cap in MiB from $SPECDECODE_SUFFIX_MIB (default 64)."""
+    if value is None or not value.strip():
+        return SUFFIX_STORE_MIB
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = float("nan")
+    if not (math.isfinite(mib) and mib >= MIN_MIB):
+        raise ValueError(f"{SUFFIX_MIB_ENV}={value!r}: expected a number of MiB >= {MIN_MIB}")
+    return mib
+
+
+class NgramLookup(LookupProposer):
+    """The confidence-driven n-gram lookup (drafters.ngram.NgramDrafter, matches of 1 to 8
+    tokens), one per request, sharing one table of acceptance rates."""
+
+    def new_drafter(self) -> Drafter:
+        return NgramDrafter(stats=self.stats)
+
+    def seen(self, drafter: Drafter) -> list[int]:
+        assert isinstance(drafter, NgramDrafter)
+        return drafter.index.tokens
+
+
+class SuffixLookup(LookupProposer):
+    """Suffix decoding (drafters.suffix.SuffixDrafter, as a chain) over the request's own tokens
+    and every earlier request of this server (one shared scope: see the module docstring)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config)
+        self.store = SuffixStore(suffix_mib(os.environ.get(SUFFIX_MIB_ENV)),
+                                 self.settings.max_cached_requests)
+
+    def new_drafter(self) -> Drafter:
+        return SuffixDrafter(self.store, stats=self.stats)
+
+    def seen(self, drafter: Drafter) -> list[int]:
+        assert isinstance(drafter, SuffixDrafter)
+        return drafter.tokens
+
+    def finish(self, drafter: Drafter) -> None:
+        drafter.reset()  # SuffixDrafter.reset stores the request's text
