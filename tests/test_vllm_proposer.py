@@ -13,14 +13,18 @@ tests/test_vllm_integration.py.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from specdecode.errors import SpecDecodeError
 from specdecode.integrations import vllm as vllm_integration
 from specdecode.integrations.vllm import (
     LookupProposer,
@@ -29,6 +33,7 @@ from specdecode.integrations.vllm import (
     settings,
     suffix_mib,
 )
+from specdecode.integrations.vllm_server import CONFIGS, Launch, speculative_config
 
 MAX_LEN = 1024
 
@@ -266,3 +271,42 @@ def test_the_module_imports_without_vllm() -> None:
             "assert 'vllm' not in sys.modules, 'vllm was imported'; print(m.NgramLookup.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "NgramLookup"
+
+
+def test_a_missing_vllm_is_one_error_naming_the_script(tmp_path: Path) -> None:
+    with pytest.raises(SpecDecodeError, match=r"scripts/install_vllm\.sh"):
+        Launch(venv=tmp_path, model=tmp_path).command()
+
+
+def test_a_configuration_is_a_known_name_or_json() -> None:
+    assert speculative_config("plain") is None
+    assert speculative_config("lookup") == CONFIGS["lookup"]
+    assert speculative_config('{"method": "ngram", "num_speculative_tokens": 2}') == {
+        "method": "ngram", "num_speculative_tokens": 2}
+    for bad in ("nonsense", "[1]", "{"):
+        with pytest.raises(SpecDecodeError, match="expected one of plain"):
+            speculative_config(bad)
+
+
+def test_the_server_command_carries_the_config_and_the_cpu_flags(tmp_path: Path) -> None:
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text("")
+    launch = Launch("lookup", 8123, threads=2, venv=tmp_path, model=tmp_path)
+    cmd = launch.command()
+    assert cmd[0] == str(python) and cmd[cmd.index("--port") + 1] == "8123"
+    for flag in ("--enforce-eager", "--kv-cache-memory-bytes", "--max-model-len"):
+        assert flag in cmd
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1])["model"] == \
+        "specdecode.integrations.vllm.NgramLookup"
+    env = launch.env()
+    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("src")
+
+
+def test_the_recommended_lookup_config_is_an_ngram_config_vllm_takes() -> None:
+    """What test_vllm_integration starts vLLM with: the report's printed string, parsed."""
+    from tests.test_vllm_integration import recommended_lookup_config
+
+    config = json.loads(recommended_lookup_config())
+    assert config["method"] == "ngram" and config["num_speculative_tokens"] >= 1

@@ -101,7 +101,7 @@ def audit_greedy(model: Any, prompts: list[list[int]], params: SamplingParams,
                        mismatches=mismatches)
 
 
-def _grouped(a: Counter[Outcome], b: Counter[Outcome], cells: int) -> tuple[list[int], list[int]]:
+def grouped(a: Counter[Outcome], b: Counter[Outcome], cells: int) -> tuple[list[int], list[int]]:
     # Ties broken by a hash of the outcome, never by which sample saw it first: an order that
     # favoured one sample would bias the "other" cell and make a correct configuration fail.
     pooled = a + b
@@ -146,10 +146,10 @@ def audit_sampled(model: Any, prompt: list[int], params: SamplingParams,
         accepted += gen.counters.accepted
         if progress is not None:
             progress(i + 1)
-    a, b = _grouped(plain, spec, cells)
+    a, b = grouped(plain, spec, cells)
     test = chi_square_homogeneity(a, b)
     tv = tv_two_sample(a, b, delta=0.05)
-    detectable = _detectable_tv(samples, false_alarm, len(a))
+    detectable = detectable_tv(samples, false_alarm, len(a))
     passed = test.p_value >= false_alarm and identical in (None, samples)
     return AuditResult(
         "sampled", passed, samples, tokens, false_alarm, test.p_value,
@@ -169,7 +169,7 @@ def _speculative(model: Any, prompt: list[int], params: SamplingParams,
     return _generate(model, prompt, params, drafter, k, eos, template, constraint)
 
 
-def _detectable_tv(samples: int, false_alarm: float, cells: int) -> float:
+def detectable_tv(samples: int, false_alarm: float, cells: int) -> float:
     """Smallest TV on a 0.01 grid that `samples` per side detect with power POWER."""
     for step in range(1, 101):
         tv = step / 100
