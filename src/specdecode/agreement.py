@@ -65,7 +65,9 @@ def teacher_forced_logits(model: Any, ids: Sequence[int], chunk: int) -> torch.T
     parts = []
     with torch.inference_mode():
         for i in range(0, len(ids), chunk):
-            parts.append(model(torch.tensor([list(ids[i : i + chunk])]), cache)[0])
+            # a copy: a runner may return a view of a buffer its next call overwrites (the
+            # llama.cpp backend's logits are llama.cpp's own output buffer)
+            parts.append(model(torch.tensor([list(ids[i : i + chunk])]), cache)[0].clone())
     return torch.cat(parts).float()
 
 

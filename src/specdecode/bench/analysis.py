@@ -665,9 +665,11 @@ def _base_summary(spec: ConfigSpec, samples: Sequence[RequestSample]) -> ConfigS
 
 
 def find_baseline(spec: ConfigSpec, configs: Sequence[ConfigSpec]) -> ConfigSpec | None:
-    """The plain configuration at the same batch size and temperature as `spec`, if any."""
+    """The plain configuration of the same target at the same batch size and temperature as
+    `spec`, if any."""
     for c in configs:
-        if c.is_plain and c.batch_size == spec.batch_size and c.temperature == spec.temperature:
+        if c.is_plain and c.batch_size == spec.batch_size and c.temperature == spec.temperature \
+                and c.target == spec.target:
             return c
     return None
 
@@ -811,6 +813,15 @@ class Analysis:
             "configs": [c.to_dict() for c in self.configs],
             "audits": [a.to_dict() for a in self.audits],
         })
+
+
+def is_on(analysis: Analysis, s: ConfigSummary) -> bool:
+    """A demonstrated lossless win: the speedup's CI lower bound is above 1 and the
+    configuration's audit passed (what the recommendations require)."""
+    if s.speedup is None or not math.isfinite(s.speedup.total_ratio.low):
+        return False
+    audit = analysis.audit_passed(s.spec.name, s.spec.batch_size)
+    return s.speedup.total_ratio.low > 1.0 and audit is True
 
 
 def jsonable(obj: Any) -> Any:

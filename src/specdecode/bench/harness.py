@@ -33,6 +33,7 @@ from tqdm import tqdm
 from specdecode.bench.analysis import DEFAULT_RESAMPLES, Analysis, analyze, find_baseline
 from specdecode.bench.hardware import detect_hardware
 from specdecode.bench.interference import Probe, assess, between, read_cpu_times
+from specdecode.bench.peers import is_peer
 from specdecode.bench.recommend import Recommendation, recommend
 from specdecode.bench.records import (
     SCHEMA_VERSION,
@@ -105,7 +106,9 @@ def config_grid(configs: Sequence[ConfigSpec], batch_sizes: Sequence[int]) -> li
 
 
 def validate_configs(configs: Sequence[ConfigSpec]) -> None:
-    """Unique (name, batch size), valid fields, and a plain baseline for each speculative one."""
+    """Unique (name, batch size), valid fields, and a plain baseline for each speculative one
+    (a peer, llama-cpp-python's own decoding, may stand alone: `bench --targets` measures it
+    beside targets it is not one of)."""
     if not configs:
         raise SpecDecodeError("no configurations to measure")
     seen: set[tuple[str, int]] = set()
@@ -114,7 +117,7 @@ def validate_configs(configs: Sequence[ConfigSpec]) -> None:
         if c.key in seen:
             raise SpecDecodeError(f"config {c.name} appears twice at batch size {c.batch_size}")
         seen.add(c.key)
-        if not c.is_plain and find_baseline(c, configs) is None:
+        if not c.is_plain and not is_peer(c.drafter) and find_baseline(c, configs) is None:
             raise SpecDecodeError(
                 f"config {c.name} at batch size {c.batch_size} has no plain configuration "
                 "at the same batch size and temperature to measure its speedup against"

@@ -84,6 +84,9 @@ class ConfigSpec:
     the prompt sets none); a number overrides every prompt's. `options` holds drafter arguments
     (for example "model": a draft checkpoint, "ngram_max" / "ngram_min": n-gram sizes).
     The same `name` may be measured at several batch sizes: the unit is (name, batch_size).
+    `target` names the target the configuration runs on where one run measures several
+    (`bench --targets`: "fp32", "bf16", "w4a16", "llama.cpp"; see `bench.targets`); "" in a run
+    of one target. A speculative configuration's baseline is the plain one of its own target.
     """
 
     name: str
@@ -93,6 +96,7 @@ class ConfigSpec:
     precision: str = "fp32"
     batch_size: int = 1
     options: dict[str, Any] = field(default_factory=dict)
+    target: str = ""
 
     @property
     def is_plain(self) -> bool:
