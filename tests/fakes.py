@@ -212,3 +212,70 @@ class ScriptedDrafter(Drafter):
         context, k = request.context, request.k
         done = len(context) - self.prompt_len
         return Draft(torch.tensor([self._token(done + j, j) for j in range(k)]), None)
+
+
+# ------------------------------------------------------------- several targets (bench --targets)
+
+
+@dataclass
+class FakeTargetsRunner:
+    """Several targets of one fake model (`bench.targets.TargetsRunner`'s protocol): each a
+    FakeRunner with its own plain step time; a target's greedy output differs from fp32's on
+    the prompts listed in `diverge` (every configuration of that target alike, so speculation
+    stays lossless with respect to its own target); `agreement` gives each target's recorded
+    (top-1, mean KL) with fp32; the llama-cpp-python peer runs as plain decoding at
+    `peer_step_s`."""
+
+    step_s: dict[str, float]
+    agreement: dict[str, tuple[float, float]]
+    diverge: dict[str, set[str]] = field(default_factory=dict)
+    alpha: dict[str, float] = field(default_factory=lambda: {"ngram": 0.75})
+    corrupt: set[str] = field(default_factory=set)
+    peer_step_s: float | None = 0.008
+    fidelity: str = "any"
+    refused: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.runners = {t: FakeRunner(alpha=self.alpha, step_s=s, corrupt=self.corrupt,
+                                      seed=i, noise=0.02)
+                        for i, (t, s) in enumerate(self.step_s.items())}
+        self.peer = FakeRunner(step_s=self.peer_step_s or 0.01, seed=99, noise=0.02)
+
+    def describe(self) -> RunnerDescription:
+        targets = {t: {"backend": "llama.cpp" if t == "llama.cpp" else "native",
+                       "precision": "gguf" if t == "llama.cpp" else t, "exact": True,
+                       "invariance": "max |logit difference|: 0 across draft widths, 0 across "
+                                     "batch rows, 0 across chunkings", "measured": True,
+                       "max_logit_difference": 0.0, "refused": self.refused.get(t, {}),
+                       "speculation": "allowed",
+                       "agreement": {"top1": a[0], "mean_kl": a[1], "max_kl": 4 * a[1],
+                                     "positions": 290, "chunk": 8}}
+                   for t, a in self.agreement.items()}
+        return {"runner": "fake", "model_name": "fake-135m",
+                "precision": ",".join(self.step_s), "weight_hash": "a" * 64,
+                "torch_threads": 2,
+                "details": {"targets": targets, "fidelity": self.fidelity,
+                            "cpu_features": ["avx2"], "agreement_text": "a fake text",
+                            "no_reference": None if self.peer_step_s else "no llama_cpp"}}
+
+    def run(self, prompts: Sequence[Prompt], config: ConfigSpec) -> list[RequestSample]:
+        from dataclasses import replace
+
+        from specdecode.bench.peers import is_peer
+
+        if is_peer(config.drafter):
+            as_plain = replace(config, drafter="none", k=0)
+            return [replace(s, config=config.name) for s in self.peer.run(prompts, as_plain)]
+        samples = self.runners[config.target].run(prompts, config)
+        off = self.diverge.get(config.target, set())
+        return [replace(s, output_token_ids=[t ^ 1 for t in s.output_token_ids])
+                if s.prompt_id in off else s for s in samples]
+
+    def cost_curves(self, configs: Sequence[ConfigSpec]) -> list[CostCurve]:
+        return []
+
+    def memory(self, config: ConfigSpec) -> MemoryRecord | None:
+        return None
+
+    def audit(self, config: ConfigSpec) -> list[AuditVerdict]:
+        return []

@@ -86,6 +86,36 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield tmp / "run"
 
 
+@pytest.fixture(scope="module")
+def targets_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The run folder of `specdecode bench --targets fp32,bf16,w4a16` on a tiny checkpoint
+    (scaled so that its w4a16 copy's top-1 agreement differs from fp32's: the frontier chart
+    has two x values)."""
+    tmp = tmp_path_factory.mktemp("browser-targets")
+    ckpt = make_checkpoint(tmp / "ck", scale=1.0)
+    workload = tmp / "w.jsonl"
+    workload.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:4]), encoding="utf-8")
+    threads = torch.get_num_threads()
+    try:
+        code, _, err = run_cli(["bench", "--model", str(ckpt), "--workload", str(workload),
+                                  "--out", str(tmp / "run"), "--quiet", "--threads", "1",
+                                  "--max-tokens", "16", "--resamples", "200",
+                                  "--audit-samples", "0", "--targets", "fp32,bf16,w4a16"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err
+    yield tmp / "run"
+
+
+def test_a_targets_report_reads_well_at_1200_and_800_px(targets_run: Path) -> None:
+    html = (targets_run / "report.html").read_text(encoding="utf-8")
+    assert 'id="targets"' in html and 'aria-label="Speed against fidelity, batch size 1"' in html
+    for check in check_report(targets_run / "report.html", WIDTHS,
+                              shots=targets_run / "screenshots"):
+        print(check.render())
+        assert check.problems == [], check.render()
+
+
 def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()[:24]
     assert data[:8] == b"\x89PNG\r\n\x1a\n", path

@@ -274,6 +274,11 @@ class BenchPlan:
     max_tokens_cap: int | None
     progress: bool = True
     n_resamples: int | None = None
+    # `--targets` (bench.targets): configurations left out per target and why, and why there
+    # is no llama-cpp-python reference (None: there is one)
+    targets: bool = False
+    skipped: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    no_reference: str | None = None
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -292,13 +297,25 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     check_numbers(args)
     if args.resume and args.out is None:
         raise SpecDecodeError("--resume needs --out DIR (the folder of the run to continue)")
-    if getattr(args, "endpoint", None):
-        configs = endpoint_configs_from(args)
-    else:
-        configs = parse_configs(args.configs or default_configs_text(args.backend), args.precision)
-        check_invariant_target(args.precision, configs)
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
-    grid = config_grid(configs, batch_sizes)
+    skipped: dict[str, dict[str, str]] = {}
+    no_reference = None
+    if getattr(args, "targets", None):
+        from specdecode.bench.targets import DEFAULT_TARGET_CONFIGS, REFERENCE, plan_targets
+
+        grid, skipped, no_reference = plan_targets(
+            args, batch_sizes, parse_configs(args.configs or DEFAULT_TARGET_CONFIGS, REFERENCE))
+    elif getattr(args, "fidelity", None) is not None:
+        raise SpecDecodeError("--fidelity chooses among the targets of --targets; a run of one "
+                              "target has its own fidelity")
+    else:
+        if getattr(args, "endpoint", None):
+            configs = endpoint_configs_from(args)
+        else:
+            configs = parse_configs(args.configs or default_configs_text(args.backend),
+                                    args.precision)
+            check_invariant_target(args.precision, configs)
+        grid = config_grid(configs, batch_sizes)
     validate_configs(grid)
     workload = select_workload(args.workload, args.categories, args.limit_per_category,
                                args.strict, getattr(args, "specbench", None), args.seed)
@@ -308,7 +325,9 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
         DEFAULT_MAX_TOKENS_CAP if args.workload in (None, "default") else None)
     out_dir = preflight(args.out or default_out_dir(), args.resume)
     return BenchPlan(workload, grid, out_dir, args.resume, args.seed, cap,
-                     progress=not args.quiet, n_resamples=args.resamples)
+                     progress=not args.quiet, n_resamples=args.resamples,
+                     targets=bool(getattr(args, "targets", None)), skipped=skipped,
+                     no_reference=no_reference)
 
 
 def constrain_workload(workload: Workload, spec: Any) -> Workload:
@@ -351,20 +370,34 @@ def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: i
     in-process runner; build and check every drafter."""
     import torch
 
-    from specdecode.bench.inprocess import InProcessRunner, config_k
     from specdecode.models.loading import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if plan.targets:
+        from specdecode.bench.targets import make_targets_runner
+
+        return make_targets_runner(
+            args, plan, plan.skipped, plan.no_reference,
+            lambda model: in_process_runner(args, plan, default_max_tokens, model))
     if loaded is None:
         loaded = load_model(args.model, args.precision, args.backend,
                             max_batch=max(c.batch_size for c in plan.configs))
+    runner = in_process_runner(args, plan, default_max_tokens, loaded)
+    runner.check(plan.configs)
+    return runner
+
+
+def in_process_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: int,
+                      loaded: Any) -> Any:
+    """The in-process runner over a loaded model, its capacity fitted to the workload."""
+    from specdecode.bench.inprocess import InProcessRunner, config_k
+
     runner = InProcessRunner(loaded, seed=plan.seed, default_max_tokens=default_max_tokens,
                              max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template,
                              audit_samples=getattr(args, "audit_samples", 0),
                              progress=plan.progress)
     runner.fit_capacity(plan.workload.prompts, max(config_k(c) for c in plan.configs))
-    runner.check(plan.configs)
     return runner
 
 

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from specdecode.bench import interference
+from specdecode.bench import frontier, interference
 from specdecode.bench.analysis import (
     Analysis,
     ConfigSummary,
+    Interval,
     find_baseline,
+    is_on,
     jsonable,
     loops,
     measure_speedup,
@@ -53,6 +56,11 @@ class Recommendation:
     evidence: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # e.g. measured under interference
+    # a run of several targets (bench.frontier): the chosen target, the fidelity rule it was
+    # chosen under, and the headline saying so
+    target: str | None = None
+    fidelity: str | None = None
+    headline: str = ""
 
     @property
     def vllm_json(self) -> str | None:
@@ -66,7 +74,9 @@ class Recommendation:
 
     def render(self) -> str:
         """The recommendation as plain text (headline, evidence, notes, vLLM setting)."""
-        if self.enable:
+        if self.headline:
+            head = self.headline
+        elif self.enable:
             cap = (f"; turn it off above batch size {self.turn_off_above}"
                    if self.turn_off_above is not None else
                    f"; it wins at every measured batch size ({_sizes(self.batch_sizes_on)})")
@@ -106,14 +116,6 @@ def evidence_line(analysis: Analysis, s: ConfigSummary) -> str:
             f"{a.alpha:.2f}, accepted/drafted {a.rate:.2f}, mean acceptance length "
             f"{a.mean_acceptance_length:.2f}, {s.throughput_tok_s:.1f} tok/s; "
             f"{_audit_text(analysis, s)}")
-
-
-def is_on(analysis: Analysis, s: ConfigSummary) -> bool:
-    """Speedup CI lower bound > 1 and the audit passed."""
-    if s.speedup is None or not math.isfinite(s.speedup.total_ratio.low):
-        return False
-    audit = analysis.audit_passed(s.spec.name, s.spec.batch_size)
-    return s.speedup.total_ratio.low > 1.0 and audit is True
 
 
 def _by_name(analysis: Analysis) -> dict[str, list[ConfigSummary]]:
@@ -214,9 +216,11 @@ def loop_note(analysis: Analysis, s: ConfigSummary) -> str | None:
 
 
 def recommend(analysis: Analysis) -> Recommendation:
-    """The deployment recommendation from an Analysis (see the module docstring), with a
-    warning when configurations were measured under interference (`interference.warning`)."""
-    rec = _recommend(analysis)
+    """The deployment recommendation from an Analysis (see the module docstring; a run of
+    several targets: `recommend_targets`), with a warning when configurations were measured
+    under interference (`interference.warning`)."""
+    rec = recommend_targets(analysis) if frontier.is_targets_run(analysis) else \
+        _recommend(analysis)
     results = analysis.results
     warning = interference.warning(interference.assess(results.header, results.samples))
     if warning is not None:
@@ -254,3 +258,96 @@ def _recommend(analysis: Analysis) -> Recommendation:
         turn_off_above=prefix[-1].spec.batch_size if off is not None else None,
         vllm_config=vllm, evidence=evidence, notes=notes,
     )
+
+
+# ------------------------------------------------------------------------- several targets
+
+
+def _x(iv: Interval | None) -> str:
+    return "-" if iv is None or not math.isfinite(iv.estimate) else \
+        f"{iv.estimate:.2f}x [{iv.low:.2f}, {iv.high:.2f}]"
+
+
+def fidelity_text(p: frontier.TargetPoint) -> str:
+    """A target's fidelity in words."""
+    f = p.fidelity
+    text = "agreement with fp32 not measured" if f is None else (
+        f"top-1 agreement with fp32 {f.top1:.1%}, mean KL {f.mean_kl:.2g} nats")
+    if p.same_output is not None:
+        text += f", same greedy output as fp32 on {p.same_output[0]}/{p.same_output[1]} requests"
+    return text
+
+
+def speed_text(p: frontier.TargetPoint) -> str:
+    """The fastest lossless configuration's tokens/s and ratios."""
+    ref = f", {_x(p.vs_reference)} llama.cpp's plain decoding" if p.vs_reference else ""
+    own = f", {_x(p.speedup)} its plain decoding" if p.speedup is not None else ""
+    return f"{p.best.spec.name} {p.tok_s:.1f} tok/s{own}{ref}"
+
+
+def point_line(p: frontier.TargetPoint) -> str:
+    """One target at one batch size: plain, its fastest lossless configuration, fidelity."""
+    ref = f" ({_x(p.plain_vs_reference)} llama.cpp's plain)" if p.plain_vs_reference else ""
+    best = "no speculative configuration demonstrated a win" if p.best is p.plain else \
+        f"fastest lossless {speed_text(p)}"
+    return (f"{p.target} at batch size {p.batch_size}: plain {p.plain.throughput_tok_s:.1f} "
+            f"tok/s{ref}; {best}; {fidelity_text(p)}"
+            + ("; on the speed-fidelity frontier" if p.on_frontier else ""))
+
+
+def recommend_targets(analysis: Analysis) -> Recommendation:
+    """Among the targets whose fidelity the run's rule admits (`--fidelity`, kept in the
+    header), the fastest lossless configuration at the smallest batch size measured
+    (frontier.choose); the evidence is every target's point, the notes the frontier (what
+    each level of fidelity costs) and whether the choice is within noise of the next."""
+    details = analysis.results.header.runner.get("details") or {}
+    rule = frontier.parse_fidelity(details.get("fidelity"))
+    points = frontier.target_points(analysis)
+    batch = min((p.batch_size for p in points), default=1)
+    choice = frontier.choose(analysis, points, rule, batch)
+    evidence = [point_line(p) for p in points]
+    notes = [frontier_note(points, batch), *refusal_notes(analysis)]
+    if choice.point is None:
+        return Recommendation(enable=False, evidence=evidence, notes=notes, fidelity=rule.text,
+                              headline=f"No target measured at batch size {batch} meets the "
+                                       f"fidelity asked for ({rule.describe()}).")
+    p, best = choice.point, choice.point.best
+    headline = (f"Fastest lossless configuration for {rule.describe()}, at batch size "
+                f"{batch}: {speed_text(p)}; {fidelity_text(p)}.")
+    if choice.runner_up is not None and choice.lead is not None:
+        notes.insert(0, f"ahead of the next admitted target's best, "
+                        f"{choice.runner_up.best.spec.name}, by {_x(choice.lead)}"
+                        + (" (paired, same requests): within the noise, a tie"
+                           if choice.tied else " (paired, same requests)"))
+    if best.spec.is_plain:
+        return Recommendation(enable=False, config=best.spec.name, target=p.target,
+                              fidelity=rule.text, headline=headline, evidence=evidence,
+                              notes=notes)
+    k, k_note = _deploy_k(best)
+    vllm, vllm_note = vllm_speculative_config(best.spec, k)
+    on = [s.spec.batch_size for s in analysis.configs
+          if s.spec.name == best.spec.name and is_on(analysis, s)]
+    return Recommendation(enable=True, config=best.spec.name, drafter=best.spec.drafter, k=k,
+                          batch_sizes_on=on, vllm_config=vllm, evidence=evidence,
+                          notes=notes + [n for n in (k_note, vllm_note) if n],
+                          target=p.target, fidelity=rule.text, headline=headline)
+
+
+def frontier_note(points: Sequence[frontier.TargetPoint], batch: int) -> str:
+    """The speed-fidelity frontier at `batch`, most faithful first."""
+    front = sorted((p for p in points if p.batch_size == batch and p.on_frontier),
+                   key=lambda p: (-p.fidelity.top1, p.fidelity.mean_kl)  # type: ignore[union-attr]
+                   if p.fidelity else (0.0, 0.0))
+    if not front:
+        return f"no speed-fidelity frontier at batch size {batch} (agreement not measured)"
+    return (f"the speed-fidelity frontier at batch size {batch}, most faithful first: "
+            + "; ".join(f"{p.target}: {speed_text(p)} ({fidelity_text(p)})" for p in front))
+
+
+def refusal_notes(analysis: Analysis) -> list[str]:
+    """Configurations the run left out on some target, and why (bench.targets)."""
+    notes = []
+    for facts in frontier.target_facts(analysis).values():
+        for config, why in (facts.get("refused") or {}).items():
+            notes.append(f"{config} was not measured: {why}")
+    return notes

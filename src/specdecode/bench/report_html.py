@@ -22,7 +22,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup, escape
 
-from specdecode.bench import interference, svg
+from specdecode.bench import frontier, interference, svg
 from specdecode.bench.analysis import (
     Analysis,
     ConfigSummary,
@@ -117,6 +117,22 @@ CATEGORY_COLUMNS = (CONFIG, BATCH, Column("category", "category", text=True),
                     Column("alpha", "alpha", term="alpha"),
                     Column("mal", "mean acceptance length", term="mal"),
                     Column("speedup", "speedup (total ratio)", term="speedup"))
+
+
+# `bench --targets` (bench.frontier): each target's fidelity, then its speed per batch size
+TARGET = Column("target", "target", text=True)
+FIDELITY_COLUMNS = (TARGET, Column("runs_on", "runs on", text=True),
+                    Column("invariance", "batch invariance", text=True, term="invariance"),
+                    Column("top1", "top-1 agreement with fp32", term="top1"),
+                    Column("kl", "mean KL from fp32 (nats)", term="kl"),
+                    Column("same", "same greedy output as fp32 plain", term="same-output"),
+                    Column("speculation", "speculation", text=True, wrap=True))
+TARGET_SPEED_COLUMNS = (TARGET, Column("plain", "plain (tok/s)", term="throughput"),
+                        Column("plain_ref", "plain vs llama.cpp plain (CI)", term="vs-llamacpp"),
+                        Column("best", "fastest lossless", text=True, term="lossless"),
+                        Column("best_tok_s", "its tok/s", term="throughput"),
+                        Column("speedup", "vs its plain (CI)", term="speedup"),
+                        Column("best_ref", "vs llama.cpp plain (CI)", term="vs-llamacpp"))
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -404,6 +420,126 @@ def boundary_figures(analysis: Analysis) -> list[Markup]:
     return out
 
 
+def _invariance_cell(facts: dict[str, Any]) -> str:
+    if facts.get("exact") is None:
+        return "not measured"
+    worst = facts.get("max_logit_difference")
+    diff = f" (max {worst:.2g})" if isinstance(worst, float) and worst else ""
+    return "exact (0.0)" if facts["exact"] else f"not exact{diff}"
+
+
+def fidelity_rows(analysis: Analysis, points: Sequence[frontier.TargetPoint]
+                  ) -> list[dict[str, Any]]:
+    """One row per target the run loaded (the reference's runtime included): where it runs,
+    its measured batch invariance, agreement with fp32, outputs equal to fp32's, speculation."""
+    rows = []
+    for name, facts in frontier.target_facts(analysis).items():
+        f = frontier.fidelity_of(facts)
+        same = next((p.same_output for p in points if p.target == name and p.same_output),
+                    None)
+        measured = facts.get("measured", True)
+        speculation = str(facts.get("speculation", DASH)) if measured else \
+            "not a target here: the reference's runtime"
+        rows.append({"target": name if measured else f"{name} (reference)",
+                     "runs_on": f"{facts.get('backend', '?')}, {facts.get('precision', '?')}",
+                     "invariance": _invariance_cell(facts),
+                     "top1": DASH if f is None else f"{f.top1:.2%}",
+                     "kl": DASH if f is None else f"{f.mean_kl:.3g}",
+                     "same": DASH if same is None else f"{same[0]} / {same[1]}",
+                     "speculation": speculation})
+    return rows
+
+
+def target_speed_rows(points: Sequence[frontier.TargetPoint], batch: int,
+                      reference: ConfigSummary | None) -> list[dict[str, Any]]:
+    """One row per target at `batch` (frontier points marked), then the reference."""
+    rows = []
+    for p in points:
+        if p.batch_size != batch:
+            continue
+        spec = p.best is not p.plain
+        rows.append({"target": p.target + (" \u2605" if p.on_frontier else ""),
+                     "plain": _num(p.plain.throughput_tok_s, 1),
+                     "plain_ref": _ci(p.plain_vs_reference),
+                     "best": p.best.spec.name if spec else "plain (no win shown)",
+                     "best_tok_s": _num(p.tok_s, 1), "speedup": _ci(p.speedup),
+                     "best_ref": _ci(p.vs_reference)})
+    if reference is not None:
+        rows.append({"target": f"{reference.spec.name} (reference)",
+                     "plain": _num(reference.throughput_tok_s, 1), "plain_ref": "1.00x",
+                     "best": DASH, "best_tok_s": DASH, "speedup": DASH, "best_ref": DASH})
+    return rows
+
+
+def frontier_figure(points: Sequence[frontier.TargetPoint], batch: int) -> Markup:
+    """Speed against fidelity at `batch`: per target a segment from its plain decoding to its
+    fastest lossless configuration at its top-1 agreement with fp32; y is the ratio to
+    llama.cpp's plain decoding (CI bars, reference dashed at 1) where it was measured, else
+    tokens/s; the frontier joins the points no other beats on both."""
+    mine = [p for p in points if p.batch_size == batch and p.fidelity is not None]
+    by_ratio = bool(mine) and all(p.vs_reference is not None and p.plain_vs_reference
+                                  is not None for p in mine)
+    series = []
+    for i, p in enumerate(mine):
+        assert p.fidelity is not None
+        x = p.fidelity.top1 * 100
+        ivs = [p.plain_vs_reference, p.vs_reference] if by_ratio else []
+        ys = [iv.estimate for iv in ivs if iv] if by_ratio else \
+            [p.plain.throughput_tok_s, p.tok_s]
+        label = f"{p.target}: plain" + (f" to {p.best.spec.name}" if p.best is not p.plain
+                                        else "")
+        series.append(svg.Series(label, [x, x], ys,
+                                 err_low=[iv.low for iv in ivs if iv],
+                                 err_high=[iv.high for iv in ivs if iv], color_index=i))
+    front = sorted((p for p in mine if p.on_frontier), key=lambda p: p.fidelity.top1)  # type: ignore[union-attr]
+    if len(front) > 1:
+        series.append(svg.Series("speed-fidelity frontier (fastest lossless)",
+                                 [p.fidelity.top1 * 100 for p in front],  # type: ignore[union-attr]
+                                 [(p.vs_reference.estimate if by_ratio and p.vs_reference
+                                   else p.tok_s) for p in front],
+                                 color_index=len(mine)))
+    xs = [p.fidelity.top1 * 100 for p in mine]  # type: ignore[union-attr]
+    pad = max((max(xs) - min(xs)) * 0.08, 0.05) if xs else 0.0
+    return line_figure(
+        series, title=f"Speed against fidelity, batch size {batch}",
+        x_label="top-1 agreement with fp32 (%)",
+        y_label="tok/s over llama.cpp plain (x)" if by_ratio else "tokens/s",
+        hline=1.0 if by_ratio else None,
+        x_range=(min(xs, default=0.0) - pad, min(max(xs, default=100.0) + pad, 100.0 + pad)),
+        y_range=(0.0, None))
+
+
+def targets_context(analysis: Analysis) -> dict[str, Any]:
+    """The report's targets section (empty for a run of one target)."""
+    if not frontier.is_targets_run(analysis):
+        return {"targets": None}
+    points = frontier.target_points(analysis)
+    details = analysis.results.header.runner.get("details") or {}
+    features = details.get("cpu_features") or []
+    facts = frontier.target_facts(analysis)
+    bf16 = any(t in facts for t in ("bf16", "w8a16", "w4a16"))
+    cpu = ("vector features " + ", ".join(features) if features else "no vector features read")
+    if bf16 and "avx512_bf16" not in features:
+        cpu += ("; no AVX512_BF16, so bf16 products (bf16, w8a16, w4a16 targets and drafters) "
+                "run without bf16 instructions here: their tokens/s below is what that costs")
+    refused = [(c, why) for f in facts.values() for c, why in (f.get("refused") or {}).items()]
+    tables = []
+    for batch in analysis.batch_sizes:
+        reference = frontier.reference_summary(analysis, batch)
+        tables.append({"batch": batch, "reference": reference.spec.name if reference else None,
+                       "rows": target_speed_rows(points, batch, reference),
+                       "figure": frontier_figure(points, batch)})
+    return {"targets": {
+        "fidelity_rows": fidelity_rows(analysis, points), "tables": tables, "cpu": cpu,
+        "agreement_text": details.get("agreement_text", ""),
+        "positions": next((frontier.fidelity_of(f).positions for f in facts.values()  # type: ignore[union-attr]
+                           if frontier.fidelity_of(f) is not None), 0),
+        "no_reference": details.get("no_reference"), "refused": refused,
+        "invariance": [(n, f.get("invariance")) for n, f in facts.items()
+                       if f.get("invariance")],
+        "rule": frontier.parse_fidelity(details.get("fidelity")).describe()}}
+
+
 def load_rows(load: interference.LoadReport) -> list[dict[str, Any]]:
     """One formatted row per (config, batch size) for the machine-load table."""
     return [{"name": c.config, "batch": c.batch_size, "n_requests": c.n_requests,
@@ -460,9 +596,13 @@ def audit_command(header: RunHeader, spec: ConfigSpec, verdict: AuditVerdict,
     argv = ["specdecode", "audit"]
     if details.get("source"):
         argv += ["--model", str(details["source"])]
-    argv += ["--precision", header.model.precision]
-    if details.get("backend"):
-        argv += ["--backend", str(details["backend"])]
+    if spec.target:  # a run of several targets: this configuration's own
+        argv += ["--precision", "fp32" if spec.precision == "gguf" else spec.precision,
+                 "--backend", "llama.cpp" if spec.precision == "gguf" else "native"]
+    else:
+        argv += ["--precision", header.model.precision]
+        if details.get("backend"):
+            argv += ["--backend", str(details["backend"])]
     argv += ["--threads", str(header.hardware.torch_threads), "--drafter", spec.drafter,
              "--k", str(spec.k)]
     caveats = []
@@ -560,6 +700,8 @@ def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
         "load_columns": LOAD_COLUMNS, "warmup_columns": WARMUP_COLUMNS,
         "audit_columns": AUDIT_COLUMNS, "memory_columns": MEMORY_COLUMNS,
         "cost_columns": COST_COLUMNS, "audit_power": audit_power(analysis),
+        "fidelity_columns": FIDELITY_COLUMNS, "target_speed_columns": TARGET_SPEED_COLUMNS,
+        **targets_context(analysis),
         "audit_real_tv": AUDIT_REAL_TV, "audit_power_level": AUDIT_POWER,
         "structured_rows": structured_rows(analysis),
         "warmup_rows": warmup_rows(analysis), "warmup_figures": warmup_figures(analysis),

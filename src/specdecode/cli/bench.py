@@ -15,6 +15,7 @@ from specdecode.bench.plan import (
     DEFAULT_MAX_TOKENS_CAP,
     DEFAULT_RUNNER_MAX_TOKENS,
 )
+from specdecode.bench.targets import DEFAULT_TARGET_CONFIGS
 from specdecode.bench.workloads import DEFAULT_REPETITIVE_DOCUMENTS
 from specdecode.cli.args import (
     add_constraint_args,
@@ -70,6 +71,18 @@ def register(sub: Any) -> None:
     b.add_argument("--configs", default=None,
                    help='e.g. "plain;int8:k=3;ngram:k=4" (default: '
                         'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4)')
+    b.add_argument("--targets", default=None, metavar="T1,T2,...",
+                   help="measure several targets of the model in one interleaved run: native "
+                        "precisions (fp32, bf16, int8, w8a16, w4a16) and llama.cpp (the GGUF "
+                        "on llama.cpp); each runs every --configs item (default "
+                        f"{DEFAULT_TARGET_CONFIGS!r}), llama-cpp-python's Llama.generate "
+                        "is measured beside them where installed; the report shows speed "
+                        "against fidelity (agreement with fp32) and recommends the fastest "
+                        "lossless configuration (--precision and --backend do not apply)")
+    b.add_argument("--fidelity", default=None,
+                   help="--targets: the fidelity the recommendation must keep: fp32 (the fp32 "
+                        "target's output), any (default), kl=X (mean KL from fp32 at most X "
+                        "nats) or top1=X (top-1 agreement with fp32 at least X, 0-1)")
     b.add_argument("--batch-sizes", default="1", help="comma-separated (default 1)")
     b.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per prompt: the limit of prompts that set no max_tokens "
