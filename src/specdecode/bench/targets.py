@@ -81,7 +81,7 @@ def precision_of(target: str) -> str:
 
 def skip_reason(target: str, config: ConfigSpec) -> str | None:
     """Why `config` is left out on `target` before anything loads (None: it is measured)."""
-    from specdecode.drafters.hybrid import model_part
+    from specdecode.drafters.options import model_part
     from specdecode.drafters.registry import NOT_BATCH_INVARIANT
 
     if config.is_plain:
