@@ -6,9 +6,9 @@ each on 2 cores, longer while they share them): plain decoding (the reference), 
 `NgramLookup` and `SuffixLookup` as `custom_class` proposers, and the exact
 `--speculative-config` that `recommend` prints for a lookup. Each speculative server must give
 greedy token ids identical to the plain server's, request by request, one at a time and four
-at once (the recommended one: four at once), and must have drafted and accepted tokens (from its /metrics: a proposer that never
-drafts would pass the identity check vacuously). The suffix server is also asked a prompt a
-second time: its store of earlier requests drafts the repeat.
+at once (the recommended one: four at once), and must have drafted and accepted tokens (from
+its /metrics: a proposer that never drafts would pass the identity check vacuously). The suffix
+server is also asked a prompt a second time: its store of earlier requests drafts the repeat.
 
 Slow tier; skipped when the vLLM venv is absent ($SPECDECODE_VLLM_VENV, default .venv-vllm/),
 failed instead when SPECDECODE_REQUIRE_VLLM=1 (CI). The proposers' logic, with its broken
