@@ -6,6 +6,7 @@ import dataclasses
 import io
 import math
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from specdecode.bench.store import Results
 from specdecode.bench.summary import render_summary
 from specdecode.bench.svg import Series, nice_ticks
 from specdecode.bench.workloads import Prompt, load_repetitive_workload
+from specdecode.cli import build_parser
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 SECTIONS = ("recommendation", "summary", "latency", "acceptance", "speedup", "boundary",
@@ -177,6 +179,8 @@ def test_the_audit_section_states_its_power_and_the_command_for_a_real_audit() -
         "specdecode audit --model '/models/my model' --precision fp32 --backend native "
         "--threads 2 --drafter ngram --k 4 --temperature 0.8 --prompt 'first question' "
         "--samples 3391 --false-alarm 0.001")
+    args = build_parser().parse_args(shlex.split(power["command"])[1:])  # flags audit takes
+    assert (args.command, args.samples, args.prompt) == ("audit", 3391, "first question")
     assert power["caveats"] == [  # the fake ngram config's options, the conversation's turn
         "the drafter option ngram_max=3 is not a flag of specdecode audit: it audits the "
         "drafter's default",
