@@ -18,6 +18,7 @@ from specdecode.bench.recommend import recommend
 from specdecode.bench.records import AuditVerdict, ConfigSpec, CostCurve, RequestSample
 from specdecode.bench.report_html import (
     SUMMARY_COLUMNS,
+    audit_command,
     audit_power,
     boundary_figures,
     fmt_bytes,
@@ -181,6 +182,14 @@ def test_the_audit_section_states_its_power_and_the_command_for_a_real_audit() -
         "--samples 3391 --false-alarm 0.001")
     args = build_parser().parse_args(shlex.split(power["command"])[1:])  # flags audit takes
     assert (args.command, args.samples, args.prompt) == ("audit", 3391, "first question")
+    # the drafter options the audit has flags for go on its command line, as flags it takes
+    spec = ConfigSpec("dm-k3", drafter="draft-model", k="auto",
+                      options={"model": "/d m", "kmax": 5, "max_step_cost": 2.0})
+    verdict = dataclasses.replace(results.audits[-1], config="dm-k3", turn=0)
+    command, caveats = audit_command(results.header, spec, verdict, None)
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert (args.draft_model, args.kmax, args.max_step_cost, args.k) == ("/d m", 5, 2.0, "auto")
+    assert caveats == []
     assert power["caveats"] == [  # the fake ngram config's options, the conversation's turn
         "the drafter option ngram_max=3 is not a flag of specdecode audit: it audits the "
         "drafter's default",

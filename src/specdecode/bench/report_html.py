@@ -37,6 +37,8 @@ from specdecode.bench.recommend import Recommendation
 from specdecode.bench.records import AuditVerdict, ConfigSpec, RunHeader
 from specdecode.bench.store import atomic_write_text
 from specdecode.bench.workloads import Prompt, prompts_from_description
+from specdecode.drafters.options import ALIASES as OPTION_ALIASES
+from specdecode.drafters.options import FLAGS as OPTION_FLAGS
 from specdecode.limits import AUDIT_POWER, AUDIT_REAL_TV
 
 TEMPLATE = "report_template.html.j2"
@@ -582,9 +584,9 @@ def _load_context(analysis: Analysis) -> dict[str, Any]:
             "threshold_cores": interference.threshold_cores(results.header, load.cores)}
 
 
-# config options that are flags of `specdecode audit` (the others it cannot take)
-AUDIT_OPTION_FLAGS = {"model": "--draft-model", "heads": "--heads", "distilled": "--distilled",
-                      "kmax": "--kmax"}
+# the drafter options `specdecode audit` has flags for (cli.args.add_drafter_args; spelled as
+# drafters.options.FLAGS says); it cannot repeat the others
+AUDIT_OPTIONS = ("draft_model", "heads", "distilled", "kmax", "max_step_cost")
 
 
 def audit_command(header: RunHeader, spec: ConfigSpec, verdict: AuditVerdict,
@@ -607,8 +609,9 @@ def audit_command(header: RunHeader, spec: ConfigSpec, verdict: AuditVerdict,
              "--k", str(spec.k)]
     caveats = []
     for key, value in spec.options.items():
-        if key in AUDIT_OPTION_FLAGS:
-            argv += [AUDIT_OPTION_FLAGS[key], str(value)]
+        option = OPTION_ALIASES.get(key, key)
+        if option in AUDIT_OPTIONS:
+            argv += [OPTION_FLAGS[option], str(value)]
         else:
             caveats.append(f"the drafter option {key}={value} is not a flag of specdecode "
                            "audit: it audits the drafter's default")
