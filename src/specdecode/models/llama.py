@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.models import kernels
 from specdecode.models.cache import KVCache
 from specdecode.models.config import ModelConfig
+from specdecode.models.invariance import Invariance
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -83,16 +85,31 @@ class Linear(nn.Linear):
     (x @ W^T with it is 1.3-2.2x slower than the orientation above), so they never use it.
     """
 
+    exact = False  # LlamaModel.set_exact: the row-invariant kernel (inference only)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
         self.weight_t: torch.Tensor | None
         self.register_buffer("weight_t", None, persistent=False)
+        self.panels: torch.Tensor | None  # the weight in the row-invariant kernel's layout
+        self.register_buffer("panels", None, persistent=False)
+        self._panels_of: tuple[int, int] | None = None  # (data_ptr, version) panels were made of
+
+    def _exact_panels(self) -> torch.Tensor:
+        """The weight packed for kernels.matmul, repacked if the weight changed since."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self.panels is None or self._panels_of != key:
+            self.panels = kernels.pack(self.weight, torch.float32)
+            self._panels_of = key
+        return self.panels
 
     def add_gemv_copy(self) -> None:
         """Hold an (in, out) copy of the weight for one-row calls."""
         self.weight_t = self.weight.detach().t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact and not torch.is_grad_enabled():
+            return kernels.matmul(x, self._exact_panels(), self.out_features, self.bias)
         rows = x.numel() // max(1, x.shape[-1])
         if rows == 1 and self.weight_t is not None:
             y = x.reshape(1, -1) @ self.weight_t
@@ -111,6 +128,8 @@ class Linear(nn.Linear):
 
 
 class Block(nn.Module):
+    exact = False  # LlamaModel.set_exact: row-invariant attention (kernels.attention)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -145,10 +164,15 @@ class Block(nn.Module):
             rows, slots = step.write
             ck[rows, :, slots] = k.transpose(1, 2)
             cv[rows, :, slots] = v.transpose(1, 2)
-        attn = F.scaled_dot_product_attention(
-            q, ck[:, :, : step.used], cv[:, :, : step.used], attn_mask=step.mask, enable_gqa=True
-        )  # (B, NH, T, D)
-        x = x + self.o(attn.transpose(1, 2).reshape(B * T, nh * d))
+        if step.rows is not None:  # row-invariant kernel: q rows (B * T, NH, D) as they lie
+            attn = kernels.attention(qk.view(B * T, nh + kvh, d)[:, :nh], ck, cv, step.rows,
+                                     step.row_mask, step.used).view(B * T, nh * d)
+        else:
+            attn = F.scaled_dot_product_attention(
+                q, ck[:, :, : step.used], cv[:, :, : step.used], attn_mask=step.mask,
+                enable_gqa=True,
+            ).transpose(1, 2).reshape(B * T, nh * d)  # (B, NH, T, D) -> rows
+        x = x + self.o(attn)
         h = F.rms_norm(x, (cfg.hidden_size,), self.mlp_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -165,6 +189,8 @@ class _Step:
     write: slice | tuple[torch.Tensor, torch.Tensor]  # cache slots of the new keys and values
     used: int  # cache slots attended over: max length + T
     mask: torch.Tensor | None  # (B, 1, T, used) bool, True = may attend; None = plain causal T=1
+    rows: torch.Tensor | None = None  # (B * T,) cache row of each query row: exact attention
+    row_mask: torch.Tensor | None = None  # mask as (B * T, used) for exact attention
 
 
 class LlamaModel(nn.Module):
@@ -174,6 +200,8 @@ class LlamaModel(nn.Module):
     backend = "native"
     supports_trees = True  # explicit positions and tree masks (engine: token-tree drafts)
     precision = "fp32"
+    exact = False  # the row-invariant kernels run attention and the fp32 / bf16 products
+    invariance: Invariance | None = None  # measured at load (models.invariance.measure)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -207,6 +235,23 @@ class LlamaModel(nn.Module):
             dtype=self.dtype, device=self.norm.device,
         )
 
+    def set_exact(self, exact: bool = True) -> LlamaModel:
+        """Run inference on the row-invariant kernels (models.kernels; True) or on PyTorch's
+        (False). Training is unaffected: with autograd on, PyTorch's kernels run either way.
+        The measured invariance is forgotten (it belongs to the kernels that were measured)."""
+        if exact and not kernels.available():
+            raise RuntimeError(f"row-invariant kernels unavailable: {kernels.build_error()}")
+        from specdecode.models.precision import PackedLinear
+
+        self.exact = exact
+        self.invariance = None
+        for module in self.modules():
+            if isinstance(module, Linear | Block):
+                module.exact = exact
+            elif isinstance(module, PackedLinear):
+                module.set_exact(exact)
+        return self
+
     def with_precision(self, precision: str) -> LlamaModel:
         """A copy whose weight matrices run at `precision` (see models.precision); norms are
         shared with self, which is left unchanged."""
@@ -230,7 +275,7 @@ class LlamaModel(nn.Module):
         bf16_ends = precision in ("bf16", *prec.WEIGHT_ONLY)  # fp32 logits from bf16 weights
         new.embed = prec.Bf16Embedding(embed) if bf16_ends else prec.Int8Embedding(embed)
         new.lm_head = prec.PackedLinear("bf16" if bf16_ends else precision, head, None)
-        return new.eval()
+        return new.set_exact(self.exact).eval()
 
     def add_gemv_copies(self) -> LlamaModel:
         """Give every fp32 matrix an (in, out) copy for one-row calls (see Linear): plain
@@ -317,7 +362,12 @@ class LlamaModel(nn.Module):
         else:
             slots = torch.tensor(lengths)[:, None] + torch.arange(T)[None, :]
             write = (torch.arange(B)[:, None].expand(B, T), slots)
-        step = _Step(B, T, cos, sin, write, used, self._mask(lengths, T, used, tree_mask))
+        mask = self._mask(lengths, T, used, tree_mask)
+        step = _Step(B, T, cos, sin, write, used, mask)
+        if self.exact and not torch.is_grad_enabled():
+            rows = torch.arange(B).repeat_interleave(T)
+            step = _Step(B, T, cos, sin, write, used, mask, rows,
+                         None if mask is None else mask.reshape(B * T, used))
         x = (self.embed(tokens) if embeds is None else embeds).reshape(B * T, -1)  # (B * T, H)
         for i in layers if layers is not None else range(len(self.layers)):
             x = self.layers[i](x, step, (cache.k[i], cache.v[i]))

@@ -224,12 +224,28 @@ def load_model(
         raise SpecDecodeError(
             f"unknown backend '{backend}' (auto, native, transformers, llama.cpp)")
     model = apply_precision(model, precision)
+    exact = make_exact(model)
     if gemv_copy is None:
         gemv_copy = os.environ.get("SPECDECODE_GEMV_COPY", "1") != "0"
-    if gemv_copy and precision == "fp32" and hasattr(model, "add_gemv_copies"):
+    if gemv_copy and not exact and precision == "fp32" and hasattr(model, "add_gemv_copies"):
         model.add_gemv_copies()
     tokenizer = Tokenizer(folder)
     return LoadedModel(model, tokenizer, name, source, precision, time.perf_counter() - start)
+
+
+def make_exact(model: Any) -> bool:
+    """Put a native model on the row-invariant kernels where they build here (models.kernels),
+    and measure its batch invariance (models.invariance); True if it runs on them."""
+    from specdecode.models import kernels
+    from specdecode.models.invariance import measure
+    from specdecode.models.llama import LlamaModel
+
+    if not isinstance(model, LlamaModel):
+        return False
+    if kernels.available():
+        model.set_exact()
+    model.invariance = measure(model)
+    return model.exact
 
 
 def load_on_llamacpp(spec: str | None, precision: str, start: float,

@@ -59,19 +59,42 @@ FP16_MAX = 65504.0
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in fbgemm's packed format (bf16-valued fp16, or int8)."""
+    """y = x W^T + b with W held in fbgemm's packed format (bf16-valued fp16, or int8), or, for
+    bf16 once `set_exact`, in the row-invariant kernel's bf16 panels (models.kernels) instead:
+    fbgemm's fp16 kernels take another path for one row than for several, so a row's outputs
+    move in the last bits with the rows beside it."""
 
     def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.kind = kind
         self.out_features, self.in_features = weight.shape
         self.has_bias = bias is not None
-        b = None if bias is None else bias.detach().float().contiguous()
+        self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        self.panels: torch.Tensor | None = None  # exact bf16: kernels.pack's layout
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # quantized-tensor creation is deprecated
-            self.packed, self.nbytes = _pack(kind, weight.detach().float(), b)
+            self.packed, self.nbytes = _pack(kind, weight.detach().float(), self.bias_f32)
+
+    def set_exact(self, exact: bool) -> None:
+        """bf16: hold the weight as the row-invariant kernel's panels (exact) or as fbgemm's
+        packed fp16 (not); int8 has no row-invariant kernel and is left as it is."""
+        if self.kind != "bf16" or exact == (self.panels is not None):
+            return
+        from specdecode.models import kernels
+
+        w = float_weight(self)[0]
+        if exact:
+            self.panels = kernels.pack(w, torch.bfloat16)
+            self.packed, self.nbytes = None, self.panels.numel() * 2
+        else:
+            self.panels = None
+            self.packed, self.nbytes = _pack("bf16", w, self.bias_f32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            from specdecode.models.kernels import matmul
+
+            return matmul(x, self.panels, self.out_features, self.bias_f32)
         if self.kind == "bf16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)  # 7-bit activations
@@ -179,6 +202,10 @@ class WeightOnlyLinear(nn.Module):
 def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight fp32, bias or None) of a linear or embedding module at any precision."""
     if isinstance(module, PackedLinear):
+        if module.panels is not None:
+            from specdecode.models.kernels import unpack
+
+            return unpack(module.panels, module.out_features), module.bias_f32
         if module.kind == "bf16":
             w, b = torch.ops.quantized.linear_unpack_fp16(module.packed)
             return w.float(), b
