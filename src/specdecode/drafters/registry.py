@@ -29,58 +29,54 @@ __all__ = ["DRAFTERS", "DrafterFactory", "DrafterOptions", "drafter_factory"]
 NGRAM_MAX = 8  # the longest n-gram a lookup matches by default (ngram_max)
 
 
-# Targets whose logits for a position depend on what else is scored with it, and why.
+# Targets whose logits for a position depend on what else is scored with it by construction,
+# and why: refused before anything loads. Every other target is refused or not by measurement.
 NOT_BATCH_INVARIANT = {
     "int8": "its kernels quantize each call's activations with one scale, so a position scored "
             "with draft tokens gets different logits than scored alone",
-    "w8a16": "its products round activations and outputs to bf16, which turns the float-rounding "
-             "differences of attention between batch shapes into differences of 0.1-0.5 of a "
-             "logit (greedy speculative output differed from plain on 4-5 of 24 built-in "
-             "prompts)",
 }
-NOT_BATCH_INVARIANT["w4a16"] = NOT_BATCH_INVARIANT["w8a16"]
 
 
 def check_batch_invariant(precision: str) -> None:
-    """Refuse speculation on a target whose logits for a position depend on what else is scored
-    with it: then no drafter can be token-identical to plain decoding of that target.
+    """Refuse speculation on a precision whose logits for a position depend on what else is
+    scored with it by construction: then no drafter can be token-identical to plain decoding.
 
     int8: its fbgemm kernels quantize the activations of a whole call with one scale (on
     SmolLM2, greedy speculative output differed from plain int8 decoding on 4 of 4 prompts). A
     fixed activation range would restore invariance but cost most of the int8 target's
-    agreement with fp32 (top-1 0.34 against 0.74, measured). w8a16 / w4a16: their products are
-    row-invariant bit for bit, but attention is not (MKL's GEMMs and the fused attention kernel
-    pick kernels by shape: ~3e-7 between one and five scored rows), and bf16 rounding of every
-    product's input and output amplifies that (0.2 in the final hidden state): with n-gram
-    drafts at k=4, 19 of 24 built-in prompts (48 tokens, greedy) came out identical at batch 1
-    and 20 at batch 8, against 24 and 24 at fp32. Bit-exact row-invariant attention kernels
-    would lift this. The int8 and w4a16 copies stay available as drafters, where invariance
-    does not matter.
+    agreement with fp32 (top-1 0.34 against 0.74, measured). The int8 copy stays available as a
+    drafter, where invariance does not matter. The other precisions run on the row-invariant
+    kernels (models.kernels) and are checked by measurement (check_measured_invariance).
     """
     why = NOT_BATCH_INVARIANT.get(precision)
     if why is not None:
         raise SpecDecodeError(
             f"speculative decoding needs a batch-invariant target, and --precision {precision} "
             f"is not: {why}; the output could not be token-identical to plain {precision} "
-            "decoding. Use --precision fp32 or bf16 for speculation (e.g. with --drafter w4a16, "
-            "the 4-bit copy of the target, as the draft), or --drafter none")
+            "decoding. Use --precision fp32, bf16, w8a16 or w4a16 for speculation (e.g. with "
+            "--drafter int8, the int8 copy of the target, as the draft), or --drafter none")
 
 
 def check_measured_invariance(target: Any) -> None:
-    """Refuse speculation on a target whose load-time invariance check (models.llamacpp
-    .batch_invariance) saw a position's logits move with the batch shape, unless the
-    environment sets SPECDECODE_ALLOW_INEXACT=1 (then a warning: the output distribution is
-    still the target's up to those rounding differences, but not token-identical)."""
+    """Refuse speculation on a target whose invariance check (models.invariance) saw a
+    position's logits move with the batch shape, unless the environment sets
+    SPECDECODE_ALLOW_INEXACT=1 (then a warning: the output distribution is still the target's
+    up to those rounding differences, but not token-identical). A native target is measured
+    here if its loader did not; the transformers adapter is not measured (its attention and
+    products are PyTorch's: not invariant bit for bit, ~1e-6 of a logit)."""
     import os
     import sys
 
-    measured = getattr(target, "invariance", None)
+    from specdecode.models.invariance import invariance_of, why_inexact
+
+    measured = invariance_of(target)
     if measured is None or measured.exact:
         return
-    message = (f"this llama.cpp build is not batch-invariant ({measured.describe()}), so "
-               "speculative output could not be token-identical to its plain decoding. Rebuild "
-               "llama-cpp-python with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" (scripts/"
-               "install_llamacpp.sh does), or set SPECDECODE_ALLOW_INEXACT=1 to speculate anyway")
+    message = (f"speculative decoding needs a batch-invariant target, and this "
+               f"{target.backend} {getattr(target, 'precision', '')} target is not "
+               f"({measured.describe()}): {why_inexact(target)}. The output could not be "
+               "token-identical to its plain decoding; set SPECDECODE_ALLOW_INEXACT=1 to "
+               "speculate anyway")
     if os.environ.get("SPECDECODE_ALLOW_INEXACT") == "1":
         print(f"warning: {message}", file=sys.stderr)
         return

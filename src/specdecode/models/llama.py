@@ -214,6 +214,8 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if kernels.available():  # exact by default wherever the kernels build
+            self.set_exact()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -13,7 +13,8 @@ Exactness: speculation is token-identical to plain decoding only if a position's
 depend on what else is scored with it. Stock llama.cpp builds are not batch-invariant on CPU
 (the llamafile sgemm kernels pick blockings by shape), so `batch_invariance` scores a few
 positions alone and inside batches, and across two sequences, at load time, and the drafter
-registry refuses speculation on a target that fails it (drafters.registry.check_batch_invariant).
+registry refuses speculation on a target that fails it (drafters.registry
+.check_measured_invariance).
 docs/llamacpp.md gives the build flags that pass (`-DGGML_LLAMAFILE=OFF`, flash attention off).
 
 The logits returned are a zero-copy view of llama.cpp's output buffer at batch 1 (the engine
@@ -26,7 +27,6 @@ import contextlib
 import ctypes
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import check_room
 from specdecode.models.config import ModelConfig
+from specdecode.models.invariance import Invariance
 
 EXTRA = "llamacpp"  # pip install "specdecode[llamacpp]"
 PINNED = "0.3.36"
@@ -73,23 +74,6 @@ def _quiet(L: Any) -> None:
 
     _LOG_CALLBACK = L.llama_log_callback(drop)
     L.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-
-
-@dataclass(frozen=True)
-class Invariance:
-    """How far a position's logits move with what else is scored with it (max |difference|)."""
-
-    widths: float  # alone against first of a 2..8-position batch of its own sequence
-    rows: float  # alone against the same tokens scored beside another sequence's
-    chunks: float  # 8 positions scored 1 at a time against 4 at a time
-
-    @property
-    def exact(self) -> bool:
-        return self.widths == 0.0 and self.rows == 0.0 and self.chunks == 0.0
-
-    def describe(self) -> str:
-        return (f"max |logit difference|: {self.widths:.3g} across draft widths, "
-                f"{self.rows:.3g} across batch rows, {self.chunks:.3g} across chunkings")
 
 
 class LlamaCppCache:

@@ -1,0 +1,171 @@
+"""Bit-exact batch invariance of the native runner (models.kernels, models.invariance) and the
+registry's refusal of targets that are not invariant, each with a broken variant it catches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode.drafters.registry import drafter_factory
+from specdecode.engine import BatchEngine, Generation, run_batch
+from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
+from specdecode.models.config import config_from_hf, read_hf_config
+from specdecode.models.invariance import measure
+from specdecode.models.llama import LlamaModel
+from specdecode.models.loading import load_native
+from specdecode.models.precision import apply_precision
+from specdecode.sampling import SamplingParams
+from tests.conftest import make_checkpoint
+
+pytestmark = pytest.mark.skipif(not kernels.available(),
+                                reason=f"kernels unavailable: {kernels.build_error()}")
+
+EXACT = ("fp32", "bf16", "w8a16", "w4a16")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
+    folder = make_checkpoint(tmp_path_factory.mktemp("inv") / "m", tie_word_embeddings=True)
+    model = load_native(folder, config_from_hf(read_hf_config(folder)))
+    assert isinstance(model, LlamaModel) and model.exact  # exact by default where they build
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_products_are_correct_and_the_same_for_every_row_count(
+        dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 70, generator=gen)  # neither dimension a multiple of the panel
+    bias = torch.randn(37, generator=gen)
+    x = torch.randn(70, 70, generator=gen)
+    packed = kernels.pack(w, dtype)
+    assert torch.equal(kernels.unpack(packed, 37), w.to(dtype).float())
+    full = kernels.matmul(x, packed, 37, bias)
+    torch.testing.assert_close(full, F.linear(x, w.to(dtype).float(), bias),
+                               rtol=1e-5, atol=1e-4)
+    for rows in (*range(1, 10), 16, 63, 64, 65):
+        assert torch.equal(kernels.matmul(x[:rows], packed, 37, bias), full[:rows]), rows
+    for start in range(5):  # a row alone equals the same row among others
+        assert torch.equal(kernels.matmul(x[start:start + 1], packed, 37, bias),
+                           full[start:start + 1])
+
+
+def _causal(lengths: list[int], width: int, used: int) -> torch.Tensor:
+    j = torch.arange(used)[None, None]
+    t = torch.arange(width)[None, :, None]
+    lens = torch.tensor(lengths)[:, None, None]
+    return ((j - lens) <= t).reshape(len(lengths) * width, used)
+
+
+def test_kernel_attention_is_correct_and_row_invariant() -> None:
+    gen = torch.Generator().manual_seed(1)
+    B, KVH, NH, D, cap = 3, 2, 6, 16, 40
+    kc, vc = torch.randn(B, KVH, cap, D, generator=gen), torch.randn(B, KVH, cap, D, generator=gen)
+    q = torch.randn(B, 8, NH + KVH, D, generator=gen)
+    lengths = [20, 11, 27]
+    alone = []
+    for b in range(B):  # each row's first position scored alone: all slots up to it
+        used = lengths[b] + 1
+        out = kernels.attention(q[b, :1, :NH], kc[b:b + 1], vc[b:b + 1], torch.zeros(1),
+                                None, used)
+        ref = F.scaled_dot_product_attention(
+            q[b, :1, :NH].transpose(0, 1)[None], kc[b:b + 1, :, :used], vc[b:b + 1, :, :used],
+            enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        alone.append(out[0])
+    for width in (2, 5, 8):  # the batch, ragged, at several widths
+        used = max(lengths) + width
+        rows = torch.arange(B).repeat_interleave(width)
+        out = kernels.attention(q[:, :width, :NH].reshape(B * width, NH, D), kc, vc, rows,
+                                _causal(lengths, width, used), used)
+        for b in range(B):
+            assert torch.equal(out[b * width], alone[b]), (width, b)
+
+
+@pytest.mark.parametrize("precision", EXACT)
+def test_native_targets_are_exact_and_speculation_is_allowed(
+        tiny: LlamaModel, precision: str) -> None:
+    model = apply_precision(tiny, precision)
+    measured = measure(model)
+    assert measured.exact, measured
+    assert measured.trees == 0.0
+    assert drafter_factory("ngram", model) is not None
+
+
+def _broken(model: LlamaModel, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """Deliberately broken variants of the kernels, each of a kind seen in real libraries."""
+    matmul, attention = kernels.matmul, kernels.attention
+    if what == "width-dependent product":  # another kernel for one row (like MKL's GEMV)
+        def product(x: torch.Tensor, packed: torch.Tensor, n: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+            if x.numel() // x.shape[-1] == 1:
+                return F.linear(x, kernels.unpack(packed, n), bias)
+            return matmul(x, packed, n, bias)
+        monkeypatch.setattr(kernels, "matmul", product)
+    elif what == "row-coupled attention":  # one reduction across every query row of a call
+        def coupled(q: torch.Tensor, *args: Any) -> torch.Tensor:
+            out = attention(q, *args)
+            return out + 1e-3 * out.mean(dim=0, keepdim=True)
+        monkeypatch.setattr(kernels, "attention", coupled)
+    else:  # PyTorch's own kernels
+        model.set_exact(False)
+
+
+@pytest.mark.parametrize("what", ["width-dependent product", "row-coupled attention", "torch"])
+def test_the_check_catches_broken_kernels_and_speculation_is_refused(
+        tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch, what: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    model = apply_precision(tiny, "w4a16")
+    _broken(model, monkeypatch, what)
+    measured = measure(model)
+    assert not measured.exact and measured.worst > 0, measured
+    model.invariance = measured
+    with pytest.raises(SpecDecodeError, match="needs a batch-invariant target.*w4a16 target "
+                       "is not.*SPECDECODE_ALLOW_INEXACT"):
+        drafter_factory("ngram", model)
+    monkeypatch.setenv("SPECDECODE_ALLOW_INEXACT", "1")
+    assert drafter_factory("ngram", model) is not None
+    assert "warning" in capsys.readouterr().err
+
+
+def test_int8_is_refused_before_measuring(tiny: LlamaModel) -> None:
+    model = apply_precision(tiny, "int8")
+    with pytest.raises(SpecDecodeError, match="--precision int8 is not: its kernels quantize"):
+        drafter_factory("ngram", model)
+    assert drafter_factory("none", model) is None
+
+
+def _outputs(model: LlamaModel, prompts: list[list[int]], drafter: Callable[[], Any] | None,
+             k: int, batch: int) -> list[list[int]]:
+    engine = BatchEngine(model, batch, 256)
+    gens = [Generation(model, None, p, SamplingParams(max_tokens=40),
+                       None if drafter is None else drafter(), k, [1]) for p in prompts]
+    return [g.output for g in run_batch(engine, gens)]
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "bf16"])
+def test_greedy_speculation_on_fast_targets_is_token_identical(
+        tiny: LlamaModel, precision: str) -> None:
+    model = apply_precision(tiny, precision)
+    gen = torch.Generator().manual_seed(3)
+    # repetitive prompts, so the lookup drafts and some drafts are accepted
+    prompts = [(torch.randint(2, 20, (6,), generator=gen).tolist()) * 3 for _ in range(5)]
+    make = drafter_factory("ngram", model)
+    for batch in (1, 4):
+        plain = _outputs(model, prompts, None, 0, batch)
+        spec = _outputs(model, prompts, make, 4, batch)
+        assert spec == plain, (precision, batch)
+
+
+def test_load_model_reports_the_measured_invariance(tmp_path: Path) -> None:
+    from specdecode.models.loading import load_model
+
+    folder = make_checkpoint(tmp_path / "m")
+    loaded = load_model(str(folder), precision="w4a16")
+    assert loaded.model.invariance is not None and loaded.model.invariance.exact
