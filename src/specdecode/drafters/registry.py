@@ -67,7 +67,7 @@ def check_measured_invariance(target: Any) -> None:
     import os
     import sys
 
-    from specdecode.models.invariance import invariance_of, why_inexact
+    from specdecode.models.loading import invariance_of, why_inexact
 
     measured = invariance_of(target)
     if measured is None or measured.exact:

@@ -126,30 +126,3 @@ def _trees(model: Any, solo: Any, context: int, nxt: torch.Tensor, ones: torch.T
     solo.rollback(0, context)
     return _diff(out[[0, 1, 3]], ones[:3])
 
-
-def invariance_of(model: Any) -> Invariance | None:
-    """The model's measured invariance, measuring a native model that has none yet (a copy made
-    by with_precision, a model built without the loader); None where nothing measures it."""
-    from specdecode.models.llama import LlamaModel
-
-    measured: Invariance | None = getattr(model, "invariance", None)
-    if measured is None and isinstance(model, LlamaModel):
-        measured = model.invariance = measure(model)
-    return measured
-
-
-def why_inexact(model: Any) -> str:
-    """The known cause of a measured non-invariance, in words a user can act on."""
-    from specdecode.models import kernels
-    from specdecode.models.llama import LlamaModel
-
-    if getattr(model, "backend", "") == "llama.cpp":
-        return ("this llama.cpp build picks kernels by batch shape; rebuild llama-cpp-python "
-                "with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" (scripts/install_llamacpp.sh does)")
-    if isinstance(model, LlamaModel) and not model.exact:
-        error = kernels.build_error()
-        return ("the row-invariant kernels are not in use"
-                + (f" ({error})" if error else " (LlamaModel.set_exact was not called)"))
-    if getattr(model, "precision", "") == "int8":
-        return "int8 kernels quantize each call's activations with one scale"
-    return "cause unknown (please report it with the output of `specdecode costs`)"

@@ -4,7 +4,9 @@ Why C: PyTorch's CPU products and attention choose their kernels and blockings b
 GEMV for one row, other micro-kernels for 2-3 rows and for multiples of 4; fbgemm's fp16 kernels;
 the fused attention's key blocks), so a position's logits move in the last bits with the number
 of positions scored beside it. kernels.c computes every output element by one fixed sequence of
-operations whatever the shape (its header says how), which is what bit-exact speculation needs.
+operations whatever the shape (its header says how), which is what bit-exact speculation needs;
+and it runs a whole transformer block per call, which removes most of a decoding step's
+per-operator overhead.
 
 The library is compiled once per source, compiler, flags and CPU with the system C compiler
 (`cc`, or $CC) into the cache folder (`$SPECDECODE_CACHE/kernels`, default
@@ -24,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,10 +35,28 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC",
          "-shared")
 PANEL = 16  # kernels.c: output columns per packed panel
-KIND_FP32, KIND_BF16 = 0, 1
+GROUP = 32  # kernels.c: inputs per scale of the 4-bit format
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4 = 0, 1, 2, 3
+MAX_HEAD_DIM = 512  # kernels.c's per-row RoPE buffer
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+
+
+class SdMat(ctypes.Structure):
+    _fields_ = [("w", _P), ("scale", _P), ("zero", _P), ("bias", _P), ("n", _I), ("k", _I),
+                ("kind", ctypes.c_int32), ("round_x", ctypes.c_int32)]
+
+
+class SdAttn(ctypes.Structure):
+    _fields_ = [("kc", _P), ("vc", _P), ("c_row", _I), ("c_head", _I), ("kvh", _I),
+                ("rows", _P), ("mask", _P), ("used", _I)]
+
+
+class SdBlockW(ctypes.Structure):
+    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("inter", _I), ("eps", ctypes.c_float), ("attn_norm", _P), ("mlp_norm", _P),
+                ("qkv", SdMat), ("o", SdMat), ("gate_up", SdMat), ("down", SdMat)]
 
 
 def _cache_dir() -> Path:
@@ -94,11 +115,13 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         return None, f"loading {target} failed: {e}"
-    lib.sd_matmul.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _P, _P]
+    lib.sd_matmul.argtypes = [_P, _I, ctypes.POINTER(SdMat), _P]
     lib.sd_matmul.restype = None
-    lib.sd_attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I, _I, _I, _P, _P, _I,
-                                 ctypes.c_float, _P]
+    lib.sd_attention.argtypes = [_P, _I, _I, _I, _I, ctypes.POINTER(SdAttn), _P]
     lib.sd_attention.restype = None
+    lib.sd_block.argtypes = [_P, _I, ctypes.POINTER(SdBlockW), _P, _P, _P,
+                             ctypes.POINTER(SdAttn)]
+    lib.sd_block.restype = None
     lib.sd_has_avx2.restype = ctypes.c_int
     return lib, None
 
@@ -124,55 +147,152 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(N, K) weight -> panels of PANEL output columns (kernels.c's layout), fp32 or bf16."""
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A weight matrix (n outputs, k inputs) in kernels.c's panel layout, and what it needs."""
+
+    kind: int
+    w: torch.Tensor
+    n: int
+    k: int
+    scale: torch.Tensor | None = None  # I8: (P * 16,); I4: (P, k / 32, 16)
+    zero: torch.Tensor | None = None  # I4: (P, k / 32, 16)
+    bias: torch.Tensor | None = None  # (n,) fp32
+    round_x: bool = False  # inputs rounded to bf16 (the "a16" precisions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.zero)
+                   if t is not None)
+
+    def struct(self) -> SdMat:
+        return SdMat(_ptr(self.w), _ptr(self.scale), _ptr(self.zero), _ptr(self.bias), self.n,
+                     self.k, self.kind, int(self.round_x))
+
+
+def _panelled(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """(n, ...) rows padded with `fill` to a multiple of PANEL, as (P, PANEL, ...)."""
+    n = t.shape[0]
+    pad = -n % PANEL
+    if pad:
+        t = torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
+    return t.view(-1, PANEL, *t.shape[1:])
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float().contiguous()
+
+
+def pack_float(weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+               round_x: bool = False) -> Panels:
+    """An (n, k) float weight at `dtype` (fp32 or bf16)."""
     n, k = weight.shape
-    panels = -(-n // PANEL)
-    w = torch.zeros(panels * PANEL, k, dtype=dtype)
-    w[:n] = weight.detach().to(dtype)
-    return w.view(panels, PANEL, k).transpose(1, 2).contiguous()  # (P, K, PANEL)
+    w = _panelled(weight.detach().to(dtype)).transpose(1, 2).contiguous()  # (P, k, 16)
+    return Panels(KIND_BF16 if dtype == torch.bfloat16 else KIND_F32, w, n, k,
+                  bias=_bias(bias), round_x=round_x)
 
 
-def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The (N, K) fp32 weight of `pack`'s panels."""
-    panels, k, _ = packed.shape
-    return packed.transpose(1, 2).reshape(panels * PANEL, k)[:n].float()
+def pack_int8(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+              round_x: bool = True) -> Panels:
+    """Per-output-column int8: w[n][k] = codes[n][k] * scales[n]."""
+    n, k = codes.shape
+    w = _panelled(codes.to(torch.int8)).transpose(1, 2).contiguous()  # (P, k, 16)
+    return Panels(KIND_I8, w, n, k, scale=_panelled(scales.float()).reshape(-1).contiguous(),
+                  bias=_bias(bias), round_x=round_x)
 
 
-def matmul(x: torch.Tensor, packed: torch.Tensor, n: int,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) fp32 times the packed (N, K) weight's transpose, + bias: (..., N) fp32."""
-    k = packed.shape[1]
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              bias: torch.Tensor | None = None, round_x: bool = True) -> Panels:
+    """4-bit codes 0..15 per (n, k), with a scale and a zero per output and group of 32
+    inputs, (n, k / 32) each: w[n][k] = codes[n][k] * scales[n][k // 32] + zeros[n][k // 32]."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"4-bit panels need inputs divisible by {GROUP}, got {k}")
+    c = _panelled(codes.to(torch.uint8)).transpose(1, 2)  # (P, k, 16)
+    w = (c[..., :8] | (c[..., 8:] << 4)).contiguous()  # (P, k, 8)
+    return Panels(KIND_I4, w, n, k, scale=_panelled(scales.float()).transpose(1, 2).contiguous(),
+                  zero=_panelled(zeros.float()).transpose(1, 2).contiguous(), bias=_bias(bias),
+                  round_x=round_x)
+
+
+def codes_of(p: Panels) -> torch.Tensor:
+    """The (n, k) weight values (F32, BF16) or integer codes (I8, I4) the panels hold."""
+    if p.kind == KIND_I4:
+        lo, hi = p.w & 0xF, p.w >> 4
+        flat = torch.cat([lo, hi], dim=-1)  # (P, k, 16)
+    else:
+        flat = p.w
+    return flat.transpose(1, 2).reshape(-1, p.k)[: p.n]
+
+
+def weight_of(p: Panels) -> torch.Tensor:
+    """The (n, k) fp32 weight the panels multiply by, as the kernel computes it (for int4,
+    codes * scale + zero)."""
+    c = codes_of(p).float()
+    if p.kind == KIND_I8:
+        assert p.scale is not None
+        return c * p.scale[: p.n, None]
+    if p.kind == KIND_I4:
+        assert p.scale is not None and p.zero is not None
+        scale = p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
+        zero = p.zero.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
+        return torch.addcmul(zero.repeat_interleave(GROUP, 1), c,
+                             scale.repeat_interleave(GROUP, 1))
+    return c
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     x2 = x.reshape(-1, k)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
-    m = x2.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m:
-        kind = KIND_BF16 if packed.dtype == torch.bfloat16 else KIND_FP32
-        _lib().sd_matmul(x2.data_ptr(), m, k, packed.data_ptr(), kind, n,
-                         None if bias is None else bias.data_ptr(), y.data_ptr())
-    return y.view(*x.shape[:-1], n)
+    return x2
+
+
+def matmul(x: torch.Tensor, panels: Panels) -> torch.Tensor:
+    """x (..., k) fp32 times the panels' weight transposed, + bias: (..., n) fp32."""
+    x2 = _rows(x, panels.k)
+    y = torch.empty(x2.shape[0], panels.n, dtype=torch.float32)
+    if x2.shape[0]:
+        mat = panels.struct()
+        _lib().sd_matmul(x2.data_ptr(), x2.shape[0], ctypes.byref(mat), y.data_ptr())
+    return y.view(*x.shape[:-1], panels.n)
+
+
+def attn_spec(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+              mask: torch.Tensor | None, used: int) -> SdAttn:
+    """Which keys each query row attends: `rows` (R,) int64 the cache row of each query row,
+    `mask` (R, used) uint8 (1 = may attend) or None (every slot below `used`). k_cache, v_cache:
+    (B, KVH, capacity, D) fp32 of one layer, slots contiguous. The tensors must outlive it."""
+    if k_cache.stride(3) != 1 or k_cache.stride(2) != k_cache.shape[3] \
+            or k_cache.stride() != v_cache.stride() or k_cache.dtype != torch.float32:
+        raise ValueError("attention: the cache must hold contiguous fp32 slots")
+    return SdAttn(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                  k_cache.shape[1], rows.data_ptr(), _ptr(mask), used)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               rows: torch.Tensor, mask: torch.Tensor | None, used: int) -> torch.Tensor:
-    """Row-invariant attention.
-
-    q: (R, NH, D) fp32, heads contiguous in each row (a row may be strided). k_cache, v_cache:
-    (B, KVH, capacity, D) fp32. rows: (R,) int64, the cache row of each query row. mask: (R, used)
-    bool (True = may attend) or None (every slot below `used`). Returns (R, NH, D).
-    """
+    """Row-invariant attention: q (R, NH, D) fp32 with heads contiguous in each row (a row may
+    be strided); mask (R, used) bool or None. Returns (R, NH, D)."""
     r, nh, d = q.shape
-    kvh = k_cache.shape[1]
-    if q.stride(2) != 1 or q.stride(1) != d or k_cache.stride(3) != 1 or k_cache.stride(2) != d \
-            or k_cache.stride() != v_cache.stride():
-        raise ValueError("attention: q rows and cache slots must hold contiguous heads")
-    out = torch.empty(r, nh, d, dtype=torch.float32)
-    m = None if mask is None else mask.to(torch.uint8).contiguous()
+    if q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError("attention: q rows must hold contiguous heads")
     rows = rows.to(torch.int64).contiguous()
-    _lib().sd_attention(
-        q.data_ptr(), q.stride(0), r, nh, d, k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.stride(0), k_cache.stride(1), kvh, rows.data_ptr(),
-        None if m is None else m.data_ptr(), used, 1.0 / d ** 0.5, out.data_ptr())
+    m = None if mask is None else mask.to(torch.uint8).contiguous()
+    spec = attn_spec(k_cache, v_cache, rows, m, used)
+    out = torch.empty(r, nh, d, dtype=torch.float32)
+    _lib().sd_attention(q.data_ptr(), q.stride(0), r, nh, d, ctypes.byref(spec), out.data_ptr())
     return out
+
+
+def block(x: torch.Tensor, weights: SdBlockW, cos: torch.Tensor, sin: torch.Tensor,
+          slots: torch.Tensor, spec: SdAttn) -> None:
+    """Apply one transformer block to x (M, hidden) fp32 contiguous, in place (kernels.c
+    sd_block); cos, sin (M, head_dim) contiguous; slots (M,) int64: where each row's key and
+    value go in its cache row."""
+    _lib().sd_block(x.data_ptr(), x.shape[0], ctypes.byref(weights), cos.data_ptr(),
+                    sin.data_ptr(), slots.data_ptr(), ctypes.byref(spec))

@@ -91,25 +91,33 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias)
         self.weight_t: torch.Tensor | None
         self.register_buffer("weight_t", None, persistent=False)
-        self.panels: torch.Tensor | None  # the weight in the row-invariant kernel's layout
-        self.register_buffer("panels", None, persistent=False)
-        self._panels_of: tuple[int, int] | None = None  # (data_ptr, version) panels were made of
+        self._panels: kernels.Panels | None = None  # the weight in kernels.c's layout
+        self._panels_of: tuple[int, int] | None = None  # (data_ptr, version) they were made of
 
-    def _exact_panels(self) -> torch.Tensor:
-        """The weight packed for kernels.matmul, repacked if the weight changed since."""
+    def exact_panels(self) -> kernels.Panels | None:
+        """The weight as the row-invariant kernels use it (None unless exact), repacked if the
+        weight changed since it was packed."""
+        if not self.exact:
+            return None
         key = (self.weight.data_ptr(), self.weight._version)
-        if self.panels is None or self._panels_of != key:
-            self.panels = kernels.pack(self.weight, torch.float32)
+        if self._panels is None or self._panels_of != key:
+            self._panels = kernels.pack_float(self.weight, torch.float32, self.bias)
             self._panels_of = key
-        return self.panels
+        return self._panels
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copy (memory.weight_bytes adds them to the weight's)."""
+        return 0 if self._panels is None else self._panels.nbytes
 
     def add_gemv_copy(self) -> None:
         """Hold an (in, out) copy of the weight for one-row calls."""
         self.weight_t = self.weight.detach().t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.exact and not torch.is_grad_enabled():
-            return kernels.matmul(x, self._exact_panels(), self.out_features, self.bias)
+        panels = self.exact_panels() if not torch.is_grad_enabled() else None
+        if panels is not None:
+            return kernels.matmul(x, panels)
         rows = x.numel() // max(1, x.shape[-1])
         if rows == 1 and self.weight_t is not None:
             y = x.reshape(1, -1) @ self.weight_t
@@ -141,12 +149,37 @@ class Block(nn.Module):
         self.gate_up: nn.Module = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down: nn.Module = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def fused(self) -> kernels.SdBlockW | None:
+        """The block's weights for kernels.block, if every matrix runs on the row-invariant
+        kernels (not at int8); rebuilt when a matrix's panels change."""
+        if not self.exact:
+            return None
+        mats = [getattr(self, n).exact_panels() for n in ("qkv", "o", "gate_up", "down")]
+        if any(m is None for m in mats) or self.cfg.head_dim > kernels.MAX_HEAD_DIM:
+            return None
+        held = getattr(self, "_fused_of", None)  # the panels it was built of, kept alive
+        if held is None or any(a is not b for a, b in zip(held, mats, strict=True)):
+            cfg = self.cfg
+            self._fused = kernels.SdBlockW(
+                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                cfg.intermediate_size, cfg.rms_norm_eps, self.attn_norm.data_ptr(),
+                self.mlp_norm.data_ptr(), *(m.struct() for m in mats if m is not None))
+            self._fused_of = mats
+        return self._fused
+
     def forward(
         self,
         x: torch.Tensor,  # (B * T, H): rows of the batch, flattened
         step: _Step,
         layer_cache: tuple[torch.Tensor, torch.Tensor],  # each (B, KVH, S, D)
     ) -> torch.Tensor:
+        if step.exact is not None:
+            weights = self.fused()
+            if weights is not None:  # the whole block in one call, x updated in place
+                ck, cv = layer_cache
+                spec = kernels.attn_spec(ck, cv, step.exact.rows, step.exact.mask, step.used)
+                kernels.block(x, weights, step.exact.cos, step.exact.sin, step.exact.slots, spec)
+                return x
         cfg = self.cfg
         B, T = step.batch, step.new
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -164,9 +197,10 @@ class Block(nn.Module):
             rows, slots = step.write
             ck[rows, :, slots] = k.transpose(1, 2)
             cv[rows, :, slots] = v.transpose(1, 2)
-        if step.rows is not None:  # row-invariant kernel: q rows (B * T, NH, D) as they lie
-            attn = kernels.attention(qk.view(B * T, nh + kvh, d)[:, :nh], ck, cv, step.rows,
-                                     step.row_mask, step.used).view(B * T, nh * d)
+        if step.exact is not None:  # row-invariant attention: q rows (B * T, NH, D) as they lie
+            attn = kernels.attention(qk.view(B * T, nh + kvh, d)[:, :nh], ck, cv,
+                                     step.exact.rows, step.exact.mask, step.used
+                                     ).view(B * T, nh * d)
         else:
             attn = F.scaled_dot_product_attention(
                 q, ck[:, :, : step.used], cv[:, :, : step.used], attn_mask=step.mask,
@@ -189,8 +223,18 @@ class _Step:
     write: slice | tuple[torch.Tensor, torch.Tensor]  # cache slots of the new keys and values
     used: int  # cache slots attended over: max length + T
     mask: torch.Tensor | None  # (B, 1, T, used) bool, True = may attend; None = plain causal T=1
-    rows: torch.Tensor | None = None  # (B * T,) cache row of each query row: exact attention
-    row_mask: torch.Tensor | None = None  # mask as (B * T, used) for exact attention
+    exact: _ExactStep | None = None  # the same, as the row-invariant kernels take it
+
+
+@dataclass(frozen=True)
+class _ExactStep:
+    """A step's shapes per query row (B * T of them), for the row-invariant kernels."""
+
+    rows: torch.Tensor  # (B * T,) int64: the cache row of each query row
+    slots: torch.Tensor  # (B * T,) int64: where its key and value are written in that row
+    mask: torch.Tensor | None  # (B * T, used) uint8, 1 = may attend; None: every slot < used
+    cos: torch.Tensor  # (B * T, D)
+    sin: torch.Tensor  # (B * T, D), signed
 
 
 class LlamaModel(nn.Module):
@@ -243,14 +287,14 @@ class LlamaModel(nn.Module):
         The measured invariance is forgotten (it belongs to the kernels that were measured)."""
         if exact and not kernels.available():
             raise RuntimeError(f"row-invariant kernels unavailable: {kernels.build_error()}")
-        from specdecode.models.precision import PackedLinear
+        from specdecode.models.precision import PackedLinear, WeightOnlyLinear
 
         self.exact = exact
         self.invariance = None
         for module in self.modules():
             if isinstance(module, Linear | Block):
                 module.exact = exact
-            elif isinstance(module, PackedLinear):
+            elif isinstance(module, PackedLinear | WeightOnlyLinear):
                 module.set_exact(exact)
         return self
 
@@ -365,12 +409,17 @@ class LlamaModel(nn.Module):
             slots = torch.tensor(lengths)[:, None] + torch.arange(T)[None, :]
             write = (torch.arange(B)[:, None].expand(B, T), slots)
         mask = self._mask(lengths, T, used, tree_mask)
-        step = _Step(B, T, cos, sin, write, used, mask)
+        exact = None
         if self.exact and not torch.is_grad_enabled():
-            rows = torch.arange(B).repeat_interleave(T)
-            step = _Step(B, T, cos, sin, write, used, mask, rows,
-                         None if mask is None else mask.reshape(B * T, used))
+            slots = (torch.tensor(lengths)[:, None] + torch.arange(T)[None, :]).reshape(-1)
+            exact = _ExactStep(
+                torch.arange(B).repeat_interleave(T), slots,
+                None if mask is None else mask.reshape(B * T, used).to(torch.uint8),
+                cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous())
+        step = _Step(B, T, cos, sin, write, used, mask, exact)
         x = (self.embed(tokens) if embeds is None else embeds).reshape(B * T, -1)  # (B * T, H)
+        if exact is not None:  # fused blocks update x in place: never an input of the caller's
+            x = x.float().clone() if embeds is not None else x.float().contiguous()
         for i in layers if layers is not None else range(len(self.layers)):
             x = self.layers[i](x, step, (cache.k[i], cache.v[i]))
         for b in range(B):

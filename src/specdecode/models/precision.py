@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
 
 PRECISIONS = ("fp32", "bf16", "int8", "w8a16", "w4a16")
 WEIGHT_ONLY = ("w8a16", "w4a16")
@@ -60,7 +61,7 @@ FP16_MAX = 65504.0
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in fbgemm's packed format (bf16-valued fp16, or int8), or, for
-    bf16 once `set_exact`, in the row-invariant kernel's bf16 panels (models.kernels) instead:
+    bf16 once `set_exact`, in the row-invariant kernels' bf16 panels (models.kernels) instead:
     fbgemm's fp16 kernels take another path for one row than for several, so a row's outputs
     move in the last bits with the rows beside it."""
 
@@ -70,31 +71,30 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.has_bias = bias is not None
         self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
-        self.panels: torch.Tensor | None = None  # exact bf16: kernels.pack's layout
+        self.panels: kernels.Panels | None = None  # exact bf16
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # quantized-tensor creation is deprecated
             self.packed, self.nbytes = _pack(kind, weight.detach().float(), self.bias_f32)
 
     def set_exact(self, exact: bool) -> None:
-        """bf16: hold the weight as the row-invariant kernel's panels (exact) or as fbgemm's
+        """bf16: hold the weight as the row-invariant kernels' panels (exact) or as fbgemm's
         packed fp16 (not); int8 has no row-invariant kernel and is left as it is."""
         if self.kind != "bf16" or exact == (self.panels is not None):
             return
-        from specdecode.models import kernels
-
-        w = float_weight(self)[0]
+        w, b = float_weight(self)
         if exact:
-            self.panels = kernels.pack(w, torch.bfloat16)
-            self.packed, self.nbytes = None, self.panels.numel() * 2
+            self.panels = kernels.pack_float(w, torch.bfloat16, b)
+            self.packed, self.nbytes = None, self.panels.nbytes
         else:
             self.panels = None
-            self.packed, self.nbytes = _pack("bf16", w, self.bias_f32)
+            self.packed, self.nbytes = _pack("bf16", w, b)
+
+    def exact_panels(self) -> kernels.Panels | None:
+        return self.panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            from specdecode.models.kernels import matmul
-
-            return matmul(x, self.panels, self.out_features, self.bias_f32)
+            return kernels.matmul(x, self.panels)
         if self.kind == "bf16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)  # 7-bit activations
@@ -148,7 +148,12 @@ def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, 
 
 class WeightOnlyLinear(nn.Module):
     """y = x W^T + b with W held int8 per output channel ("w8a16") or 4-bit per group of 32
-    inputs ("w4a16"); x is rounded to bf16 for the product, y is fp32. Row-invariant."""
+    inputs ("w4a16"); x is rounded to bf16 for the product, y is fp32. Row-invariant.
+
+    Two kernels hold the same codes and scales: PyTorch's weight-only CPU kernels (bf16 products
+    and outputs) and, once `set_exact`, the row-invariant kernels' panels (models.kernels: fp32
+    products of the bf16-rounded inputs, fp32 outputs, a whole block per call). Either converts
+    to the other exactly."""
 
     def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -157,8 +162,9 @@ class WeightOnlyLinear(nn.Module):
         w = weight.detach().float()
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.q: torch.Tensor  # int8 (out, in), or the 4-bit kernel's packed layout
-        self.scales: torch.Tensor  # bf16 (out,), or scale/zero pairs (in / 32, out, 2)
+        self.q: torch.Tensor | None  # int8 (out, in), or the 4-bit kernel's packed layout
+        self.scales: torch.Tensor | None  # bf16 (out,), or scale/zero pairs (in / 32, out, 2)
+        self.panels: kernels.Panels | None = None  # exact: kernels.c's layout instead
         if kind == "w8a16":
             q, scales = quantize_rows(w, torch.bfloat16)
         else:
@@ -172,28 +178,80 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the panels (memory.weight_bytes adds them: they are not buffers)."""
+        return 0 if self.panels is None else self.panels.nbytes
+
+    def _codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes (out, in), scales): int8 codes and bf16 scales (out,), or 4-bit codes 0..15
+        and bf16 (scale, zero) pairs (in / 32, out, 2), whichever kernel holds them."""
+        if self.panels is not None:
+            p = self.panels
+            codes = kernels.codes_of(p)
+            assert p.scale is not None
+            if self.kind == "w8a16":
+                return codes, p.scale[: p.n].bfloat16()
+            assert p.zero is not None
+            scale = p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
+            zero = p.zero.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n] + 8 * scale
+            return codes, torch.stack((scale, zero), dim=-1).transpose(0, 1).bfloat16()
+        assert self.q is not None and self.scales is not None
+        if self.kind == "w8a16":
+            return self.q, self.scales
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        unit = torch.ones_like(self.scales)
+        unit[..., 1] = 8
+        q = torch._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, unit).float().t()  # (out, in)
+        return q.round().to(torch.int32), self.scales
+
+    def set_exact(self, exact: bool) -> None:
+        """Move the codes to the row-invariant kernels' panels (exact) or back to PyTorch's
+        weight-only kernels; the codes and scales are the same either way."""
+        if exact == (self.panels is not None):
+            return
+        codes, scales = self._codes()
+        if exact:
+            if self.kind == "w8a16":
+                self.panels = kernels.pack_int8(codes, scales.float(), self.bias)
+            else:  # kernels.c computes codes * scale + (zero - 8 scale)
+                scale, zero = scales[..., 0].float().t(), scales[..., 1].float().t()
+                self.panels = kernels.pack_int4(codes, scale, zero - 8 * scale, self.bias)
+            self.q = self.scales = None
+        else:
+            self.panels = None
+            if self.kind == "w8a16":
+                self.q, self.scales = codes.to(torch.int8), scales
+            else:
+                self.q = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+                self.scales = scales.contiguous()
+
+    def exact_panels(self) -> kernels.Panels | None:
+        return self.panels
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.q is not None and self.scales is not None
         if self.kind == "w8a16":
             return torch._weight_int8pack_mm(x, self.q, self.scales)
         return torch._weight_int4pack_mm_for_cpu(x, self.q, GROUP, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return kernels.matmul(x, self.panels)
         y = self._product(x.reshape(-1, self.in_features).to(torch.bfloat16)).float()
         y = y if self.bias is None else y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight as the kernel uses it, fp32 (out, in). The 4-bit codes are read back
-        through the kernel itself: x = identity with scale 1 and zero 8 returns them exactly."""
+        """The weight as the kernels use it, fp32 (out, in): codes * scale + zero - 8 scale."""
+        if self.panels is not None:
+            return kernels.weight_of(self.panels)
+        codes, scales = self._codes()
         if self.kind == "w8a16":
-            return self.q.float() * self.scales.float()[:, None]
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        unit = torch.ones_like(self.scales)
-        unit[..., 1] = 8
-        q = torch._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, unit).float().t()  # (out, in)
-        scale, zero = (self.scales[..., i].float().t().repeat_interleave(GROUP, dim=1)
+            return codes.float() * scales.float()[:, None]
+        scale, zero = (scales[..., i].float().t().repeat_interleave(GROUP, dim=1)
                        for i in (0, 1))
-        return (q - 8) * scale + zero
+        return (codes.float() - 8) * scale + zero
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}"
@@ -203,9 +261,7 @@ def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight fp32, bias or None) of a linear or embedding module at any precision."""
     if isinstance(module, PackedLinear):
         if module.panels is not None:
-            from specdecode.models.kernels import unpack
-
-            return unpack(module.panels, module.out_features), module.bias_f32
+            return kernels.weight_of(module.panels), module.bias_f32
         if module.kind == "bf16":
             w, b = torch.ops.quantized.linear_unpack_fp16(module.packed)
             return w.float(), b
