@@ -37,23 +37,32 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_products_are_correct_and_the_same_for_every_row_count(
-        dtype: torch.dtype) -> None:
+def _packed(kind: str, w: torch.Tensor, bias: torch.Tensor) -> kernels.Panels:
+    if kind in ("fp32", "bf16"):
+        return kernels.pack_float(w, torch.float32 if kind == "fp32" else torch.bfloat16, bias)
+    if kind == "int8":
+        scales = w.abs().amax(dim=1) / 127
+        return kernels.pack_int8(torch.round(w / scales[:, None]), scales, bias)
+    codes = torch.randint(0, 16, w.shape)
+    groups = (w.shape[0], w.shape[1] // kernels.GROUP)
+    return kernels.pack_int4(codes, torch.rand(groups) * 0.1, torch.randn(groups) * 0.1, bias)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+def test_kernel_products_are_correct_and_the_same_for_every_row_count(kind: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(37, 70, generator=gen)  # neither dimension a multiple of the panel
+    w = torch.randn(37, 64, generator=gen)  # outputs not a multiple of the panel
     bias = torch.randn(37, generator=gen)
-    x = torch.randn(70, 70, generator=gen)
-    packed = kernels.pack(w, dtype)
-    assert torch.equal(kernels.unpack(packed, 37), w.to(dtype).float())
-    full = kernels.matmul(x, packed, 37, bias)
-    torch.testing.assert_close(full, F.linear(x, w.to(dtype).float(), bias),
-                               rtol=1e-5, atol=1e-4)
+    x = torch.randn(70, 64, generator=gen)
+    packed = _packed(kind, w, bias)
+    full = kernels.matmul(x, packed)
+    xin = x.bfloat16().float() if packed.round_x else x
+    torch.testing.assert_close(full, F.linear(xin, kernels.weight_of(packed), bias),
+                               rtol=1e-4, atol=1e-3)
     for rows in (*range(1, 10), 16, 63, 64, 65):
-        assert torch.equal(kernels.matmul(x[:rows], packed, 37, bias), full[:rows]), rows
+        assert torch.equal(kernels.matmul(x[:rows], packed), full[:rows]), rows
     for start in range(5):  # a row alone equals the same row among others
-        assert torch.equal(kernels.matmul(x[start:start + 1], packed, 37, bias),
-                           full[start:start + 1])
+        assert torch.equal(kernels.matmul(x[start:start + 1], packed), full[start:start + 1])
 
 
 def _causal(lengths: list[int], width: int, used: int) -> torch.Tensor:
@@ -99,19 +108,24 @@ def test_native_targets_are_exact_and_speculation_is_allowed(
 
 
 def _broken(model: LlamaModel, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
-    """Deliberately broken variants of the kernels, each of a kind seen in real libraries."""
+    """Deliberately broken variants of the kernels, each of a kind seen in real libraries (the
+    first two run the blocks operator by operator, so that a product or the attention can be
+    swapped)."""
+    from specdecode.models.llama import Block
+
     matmul, attention = kernels.matmul, kernels.attention
     if what == "width-dependent product":  # another kernel for one row (like MKL's GEMV)
-        def product(x: torch.Tensor, packed: torch.Tensor, n: int,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        def product(x: torch.Tensor, packed: kernels.Panels) -> torch.Tensor:
             if x.numel() // x.shape[-1] == 1:
-                return F.linear(x, kernels.unpack(packed, n), bias)
-            return matmul(x, packed, n, bias)
+                return F.linear(x, kernels.weight_of(packed), packed.bias)
+            return matmul(x, packed)
+        monkeypatch.setattr(Block, "fused", lambda self: None)
         monkeypatch.setattr(kernels, "matmul", product)
     elif what == "row-coupled attention":  # one reduction across every query row of a call
         def coupled(q: torch.Tensor, *args: Any) -> torch.Tensor:
             out = attention(q, *args)
             return out + 1e-3 * out.mean(dim=0, keepdim=True)
+        monkeypatch.setattr(Block, "fused", lambda self: None)
         monkeypatch.setattr(kernels, "attention", coupled)
     else:  # PyTorch's own kernels
         model.set_exact(False)
@@ -126,8 +140,8 @@ def test_the_check_catches_broken_kernels_and_speculation_is_refused(
     measured = measure(model)
     assert not measured.exact and measured.worst > 0, measured
     model.invariance = measured
-    with pytest.raises(SpecDecodeError, match="needs a batch-invariant target.*w4a16 target "
-                       "is not.*SPECDECODE_ALLOW_INEXACT"):
+    with pytest.raises(SpecDecodeError, match=r"needs a batch-invariant target.*w4a16 target "
+                       r"is not.*SPECDECODE_ALLOW_INEXACT"):
         drafter_factory("ngram", model)
     monkeypatch.setenv("SPECDECODE_ALLOW_INEXACT", "1")
     assert drafter_factory("ngram", model) is not None
