@@ -138,7 +138,8 @@ def test_speculation_refused_on_a_build_that_is_not_batch_invariant(
         tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     target = tiny[0]
     monkeypatch.setattr(target, "invariance", Invariance(0.4, 0.0, 0.1))
-    with pytest.raises(SpecDecodeError, match=r"not batch-invariant.*GGML_LLAMAFILE=OFF"):
+    with pytest.raises(SpecDecodeError,
+                       match=r"needs a batch-invariant target.*llama.cpp.*GGML_LLAMAFILE=OFF"):
         drafter_factory("ngram", target)
     assert drafter_factory("none", target) is None  # plain decoding stays available
     monkeypatch.setenv("SPECDECODE_ALLOW_INEXACT", "1")

@@ -149,6 +149,13 @@ class Block(nn.Module):
         self.gate_up: nn.Module = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down: nn.Module = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles leave out the kernels' struct of raw pointers (rebuilt on use)."""
+        state = dict(self.__dict__)
+        state.pop("_fused", None)
+        state.pop("_fused_of", None)
+        return state
+
     def fused(self) -> kernels.SdBlockW | None:
         """The block's weights for kernels.block, if every matrix runs on the row-invariant
         kernels (not at int8); rebuilt when a matrix's panels change."""
