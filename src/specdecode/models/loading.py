@@ -51,7 +51,8 @@ class LoadedModel:
         return str(version()) if callable(version) else f"torch {torch.__version__}"
 
     def exactness(self) -> str | None:
-        """The load-time batch-invariance verdict of a llama.cpp target (models.llamacpp)."""
+        """The load-time batch-invariance verdict of the target (models.invariance), None where
+        none was measured (the transformers adapter)."""
         measured = getattr(self.model, "invariance", None)
         if measured is None:
             return None

@@ -146,7 +146,7 @@ class ServerMetrics:
 
     def set_backend(self, backend: str, version: str, exactness: str | None) -> None:
         """An info gauge (value 1) naming the runtime behind the target and its measured
-        exactness ("unknown" where none was measured: the native runner)."""
+        exactness ("unknown" where none was measured: the transformers adapter)."""
         Gauge("backend_info", "The target's runtime, its version and measured exactness.",
               ["model_name", "backend", "version", "exactness"], registry=self.registry).labels(
             self.model_name, backend, version, exactness or "unknown").set(1)
