@@ -36,7 +36,7 @@
 #endif
 
 #define PANEL 16   /* output columns per packed panel */
-#define ROWS 4     /* rows sharing one pass over a panel */
+#define ROWS 6     /* rows sharing one pass over a panel (a register block) */
 #define CHUNK 64   /* rows whose inputs stay in cache while every panel passes over them */
 #define GROUP 32   /* inputs per scale of the 4-bit format */
 
@@ -79,93 +79,171 @@ static inline float round_bf16(float f) { /* round to nearest even, as torch's .
 /* ---- products ---------------------------------------------------------------------------- */
 
 #if SD_AVX2
-/* R rows (1..ROWS, a constant after inlining) against panel p of a float or bf16 matrix. */
-static inline void panel_float(const float *x, int64_t ldx, const sd_mat *m, int64_t p, int R,
-                               float out[ROWS][PANEL]) {
-    __m256 a0[ROWS], a1[ROWS];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
-    int64_t K = m->k, base = p * K * PANEL;
-    for (int64_t k = 0; k < K; k++) {
-        __m256 w0, w1;
-        if (m->kind == KIND_F32) {
-            const float *q = (const float *)m->w + base + k * PANEL;
-            w0 = _mm256_loadu_ps(q);
-            w1 = _mm256_loadu_ps(q + 8);
-        } else {
-            const uint16_t *q = (const uint16_t *)m->w + base + k * PANEL;
-            __m128i lo = _mm_loadu_si128((const __m128i *)q);
-            __m128i hi = _mm_loadu_si128((const __m128i *)(q + 8));
-            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
-            w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
-        }
-        for (int r = 0; r < R; r++) {
-            __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-            a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
-            a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(out[r], a0[r]);
-        _mm256_storeu_ps(out[r] + 8, a1[r]);
-    }
-}
-
-static inline void panel_i8(const float *x, int64_t ldx, const sd_mat *m, int64_t p, int R,
-                            float out[ROWS][PANEL]) {
-    __m256 a0[ROWS], a1[ROWS];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+/* Input k of panel p as two vectors of 8 floats: the weights (F32, BF16) or the integer codes
+ * (I8, I4: scaled later, see below). */
+static inline void decode_k(const sd_mat *m, int64_t p, int64_t k, __m256 *w0, __m256 *w1) {
     int64_t K = m->k;
-    const int8_t *q = (const int8_t *)m->w + p * K * PANEL;
-    for (int64_t k = 0; k < K; k++) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(q + k * PANEL));
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
-        for (int r = 0; r < R; r++) {
-            __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-            a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
-            a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
-        }
+    switch (m->kind) {
+    case KIND_F32: {
+        const float *q = (const float *)m->w + (p * K + k) * PANEL;
+        *w0 = _mm256_loadu_ps(q);
+        *w1 = _mm256_loadu_ps(q + 8);
+        return;
     }
-    __m256 s0 = _mm256_loadu_ps(m->scale + p * PANEL), s1 = _mm256_loadu_ps(m->scale + p * PANEL + 8);
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(out[r], _mm256_mul_ps(a0[r], s0));
-        _mm256_storeu_ps(out[r] + 8, _mm256_mul_ps(a1[r], s1));
+    case KIND_BF16: {
+        const uint16_t *q = (const uint16_t *)m->w + (p * K + k) * PANEL;
+        __m128i lo = _mm_loadu_si128((const __m128i *)q);
+        __m128i hi = _mm_loadu_si128((const __m128i *)(q + 8));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
+        *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
+        return;
+    }
+    case KIND_I8: {
+        __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)m->w + (p * K + k) * PANEL));
+        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+        return;
+    }
+    default: {
+        const uint8_t *q = (const uint8_t *)m->w + (p * K + k) * (PANEL / 2);
+        __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+        *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(0xf)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+        return;
+    }
     }
 }
 
-/* xs[r][g]: the sum of row r's inputs of group g (fixed order, computed once per row). */
-static inline void panel_i4(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                            const sd_mat *m, int64_t p, int R, float out[ROWS][PANEL]) {
-    __m256 y0[ROWS], y1[ROWS];
-    for (int r = 0; r < R; r++) y0[r] = y1[r] = _mm256_setzero_ps();
-    int64_t K = m->k, G = K / GROUP;
-    const uint8_t *q = (const uint8_t *)m->w + p * K * (PANEL / 2);
-    const __m256i low = _mm256_set1_epi32(0xf);
-    for (int64_t g = 0; g < G; g++) {
-        __m256 a0[ROWS], a1[ROWS];
-        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
-        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) {
-            __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 8)));
-            __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, low));
-            __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+/* The arithmetic, the same on both paths below (and in the scalar code):
+ * F32, BF16: y = sum_k x[k] w[k], one fused multiply-add per k in order, from 0.
+ * I8: a = sum_k x[k] code[k] likewise, then y = a * scale.
+ * I4: per group g of 32 inputs, a_g = sum x[k] code[k] (from 0), then
+ *     y = (y + a_g * scale_g) + xs_g * zero_g (two fused multiply-adds), y from 0. */
+static inline int64_t span_of(const sd_mat *m) { return m->kind == KIND_I4 ? GROUP : m->k; }
+
+static inline void fold_group(const sd_mat *m, int64_t p, int64_t g, __m256 a0, __m256 a1,
+                              float sx, float *y) {
+    int64_t G = m->k / GROUP;
+    const float *sc = m->scale + (p * G + g) * PANEL, *ze = m->zero + (p * G + g) * PANEL;
+    __m256 b = _mm256_set1_ps(sx);
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(b, _mm256_loadu_ps(ze),
+                                        _mm256_fmadd_ps(a0, _mm256_loadu_ps(sc), _mm256_loadu_ps(y))));
+    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(b, _mm256_loadu_ps(ze + 8),
+                                            _mm256_fmadd_ps(a1, _mm256_loadu_ps(sc + 8),
+                                                            _mm256_loadu_ps(y + 8))));
+}
+
+static inline void finish(const sd_mat *m, int64_t p, __m256 a0, __m256 a1, float *y) {
+    if (m->kind == KIND_I8) {
+        a0 = _mm256_mul_ps(a0, _mm256_loadu_ps(m->scale + p * PANEL));
+        a1 = _mm256_mul_ps(a1, _mm256_loadu_ps(m->scale + p * PANEL + 8));
+    }
+    _mm256_storeu_ps(y, a0);
+    _mm256_storeu_ps(y + 8, a1);
+}
+
+/* R rows (1..ROWS, a constant after inlining), weights decoded straight into registers. */
+static inline void panel_direct(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                                const sd_mat *m, int64_t p, int R, float out[][PANEL]) {
+    int64_t span = span_of(m), K = m->k;
+    __m256 a0[ROWS], a1[ROWS];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    if (m->kind == KIND_I4) memset(out, 0, sizeof(float) * PANEL * (size_t)R);
+    for (int64_t k0 = 0; k0 < K; k0 += span) {
+        if (m->kind == KIND_I4) /* each group's sums start from 0 */
+            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k0 + span; k++) {
+            __m256 w0, w1;
+            decode_k(m, p, k, &w0, &w1);
             for (int r = 0; r < R; r++) {
                 __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
                 a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
                 a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
             }
         }
-        const float *sc = m->scale + (p * G + g) * PANEL, *ze = m->zero + (p * G + g) * PANEL;
-        __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
-        __m256 z0 = _mm256_loadu_ps(ze), z1 = _mm256_loadu_ps(ze + 8);
-        for (int r = 0; r < R; r++) { /* y += s * sum(x q) + z * sum(x), in that order */
-            __m256 sx = _mm256_broadcast_ss(xs + r * ldxs + g);
-            y0[r] = _mm256_fmadd_ps(sx, z0, _mm256_fmadd_ps(a0[r], s0, y0[r]));
-            y1[r] = _mm256_fmadd_ps(sx, z1, _mm256_fmadd_ps(a1[r], s1, y1[r]));
+        if (m->kind == KIND_I4)
+            for (int r = 0; r < R; r++)
+                fold_group(m, p, k0 / GROUP, a0[r], a1[r], xs[r * ldxs + k0 / GROUP], out[r]);
+    }
+    if (m->kind != KIND_I4)
+        for (int r = 0; r < R; r++) finish(m, p, a0[r], a1[r], out[r]);
+}
+
+/* R rows against kb decoded inputs in wbuf, continuing the sums in acc (R x PANEL). */
+static inline void rows_over_block(const float *x, int64_t ldx, const float *wbuf, int64_t kb,
+                                   int R, float *acc, int fresh) {
+    __m256 a0[ROWS], a1[ROWS];
+    for (int r = 0; r < R; r++) {
+        a0[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * PANEL);
+        a1[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * PANEL + 8);
+    }
+    for (int64_t k = 0; k < kb; k++) {
+        __m256 w0 = _mm256_loadu_ps(wbuf + k * PANEL), w1 = _mm256_loadu_ps(wbuf + k * PANEL + 8);
+        for (int r = 0; r < R; r++) {
+            __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+            a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
         }
     }
     for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(out[r], y0[r]);
-        _mm256_storeu_ps(out[r] + 8, y1[r]);
+        _mm256_storeu_ps(acc + r * PANEL, a0[r]);
+        _mm256_storeu_ps(acc + r * PANEL + 8, a1[r]);
+    }
+}
+
+#define KBLOCK 32 /* inputs decoded at a time on the buffered path (an I4 group) */
+
+/* More rows than a register block: each block of KBLOCK inputs is decoded once into wbuf and
+ * every row block of the chunk passes over it; the sums wait in acc between blocks. */
+static void panel_buffered(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                           const sd_mat *m, int64_t p, int64_t M, float out[][PANEL]) {
+    float wbuf[KBLOCK * PANEL], acc[CHUNK * PANEL];
+    int64_t K = m->k;
+    memset(out, 0, sizeof(float) * PANEL * (size_t)M);
+    for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+        int64_t kb = K - k0 < KBLOCK ? K - k0 : KBLOCK;
+        for (int64_t k = 0; k < kb; k++) {
+            __m256 w0, w1;
+            decode_k(m, p, k0 + k, &w0, &w1);
+            _mm256_storeu_ps(wbuf + k * PANEL, w0);
+            _mm256_storeu_ps(wbuf + k * PANEL + 8, w1);
+        }
+        int fresh = k0 == 0 || m->kind == KIND_I4; /* an I4 block is one whole group */
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+            int R = M - r0 >= ROWS ? ROWS : (int)(M - r0);
+            const float *xr = x + r0 * ldx + k0;
+            float *ar = acc + r0 * PANEL;
+            switch (R) {
+            case 6: rows_over_block(xr, ldx, wbuf, kb, 6, ar, fresh); break;
+            case 5: rows_over_block(xr, ldx, wbuf, kb, 5, ar, fresh); break;
+            case 4: rows_over_block(xr, ldx, wbuf, kb, 4, ar, fresh); break;
+            case 3: rows_over_block(xr, ldx, wbuf, kb, 3, ar, fresh); break;
+            case 2: rows_over_block(xr, ldx, wbuf, kb, 2, ar, fresh); break;
+            default: rows_over_block(xr, ldx, wbuf, kb, 1, ar, fresh); break;
+            }
+            if (m->kind == KIND_I4)
+                for (int r = 0; r < R; r++)
+                    fold_group(m, p, k0 / GROUP, _mm256_loadu_ps(ar + r * PANEL),
+                               _mm256_loadu_ps(ar + r * PANEL + 8),
+                               xs[(r0 + r) * ldxs + k0 / GROUP], out[r0 + r]);
+        }
+    }
+    if (m->kind != KIND_I4)
+        for (int64_t r = 0; r < M; r++)
+            finish(m, p, _mm256_loadu_ps(acc + r * PANEL), _mm256_loadu_ps(acc + r * PANEL + 8),
+                   out[r]);
+}
+
+static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                        const sd_mat *m, int64_t p, int64_t M, float out[][PANEL]) {
+    switch (M) {
+    case 1: panel_direct(x, ldx, xs, ldxs, m, p, 1, out); break;
+    case 2: panel_direct(x, ldx, xs, ldxs, m, p, 2, out); break;
+    case 3: panel_direct(x, ldx, xs, ldxs, m, p, 3, out); break;
+    case 4: panel_direct(x, ldx, xs, ldxs, m, p, 4, out); break;
+    case 5: panel_direct(x, ldx, xs, ldxs, m, p, 5, out); break;
+    case 6: panel_direct(x, ldx, xs, ldxs, m, p, 6, out); break;
+    default: panel_buffered(x, ldx, xs, ldxs, m, p, M, out); break;
     }
 }
 #else
@@ -182,47 +260,30 @@ static inline float weight_at(const sd_mat *m, int64_t p, int64_t k, int c) {
     }
 }
 
-static inline void panel_float(const float *x, int64_t ldx, const sd_mat *m, int64_t p, int R,
-                               float out[ROWS][PANEL]) {
-    for (int r = 0; r < R; r++)
+/* The vector code's arithmetic (see there), one element at a time. */
+static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                        const sd_mat *m, int64_t p, int64_t M, float out[][PANEL]) {
+    int64_t K = m->k, G = K / GROUP;
+    for (int64_t r = 0; r < M; r++)
         for (int c = 0; c < PANEL; c++) {
-            float a = 0.0f;
-            for (int64_t k = 0; k < m->k; k++) a = fmaf(x[r * ldx + k], weight_at(m, p, k, c), a);
-            out[r][c] = a;
-        }
-}
-
-static inline void panel_i8(const float *x, int64_t ldx, const sd_mat *m, int64_t p, int R,
-                            float out[ROWS][PANEL]) {
-    panel_float(x, ldx, m, p, R, out);
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < PANEL; c++) out[r][c] *= m->scale[p * PANEL + c];
-}
-
-static inline void panel_i4(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                            const sd_mat *m, int64_t p, int R, float out[ROWS][PANEL]) {
-    int64_t G = m->k / GROUP;
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < PANEL; c++) {
-            float y = 0.0f;
-            for (int64_t g = 0; g < G; g++) {
+            if (m->kind == KIND_I4) {
+                float y = 0.0f;
+                for (int64_t g = 0; g < G; g++) {
+                    float a = 0.0f;
+                    for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++)
+                        a = fmaf(x[r * ldx + k], weight_at(m, p, k, c), a);
+                    int64_t i = (p * G + g) * PANEL + c;
+                    y = fmaf(xs[r * ldxs + g], m->zero[i], fmaf(a, m->scale[i], y));
+                }
+                out[r][c] = y;
+            } else {
                 float a = 0.0f;
-                for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++)
-                    a = fmaf(x[r * ldx + k], weight_at(m, p, k, c), a);
-                int64_t i = (p * G + g) * PANEL + c;
-                y = fmaf(xs[r * ldxs + g], m->zero[i], fmaf(a, m->scale[i], y));
+                for (int64_t k = 0; k < K; k++) a = fmaf(x[r * ldx + k], weight_at(m, p, k, c), a);
+                out[r][c] = m->kind == KIND_I8 ? a * m->scale[p * PANEL + c] : a;
             }
-            out[r][c] = y;
         }
 }
 #endif
-
-static inline void panel_rows(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                              const sd_mat *m, int64_t p, int R, float out[ROWS][PANEL]) {
-    if (m->kind == KIND_I4) panel_i4(x, ldx, xs, ldxs, m, p, R, out);
-    else if (m->kind == KIND_I8) panel_i8(x, ldx, m, p, R, out);
-    else panel_float(x, ldx, m, p, R, out);
-}
 
 /* The inputs as the product uses them: rounded to bf16 if asked, and for I4 the per-group sums.
  * Each row on its own (a fixed-order sum per group); called inside a parallel region. */
@@ -254,25 +315,14 @@ static void matmul_in_region(const float *x, int64_t M, const sd_mat *m, float *
         int64_t mc = M - m0 < CHUNK ? M - m0 : CHUNK;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
-            float out[ROWS][PANEL];
+            float out[CHUNK][PANEL];
             int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
-            for (int64_t r0 = 0; r0 < mc; r0 += ROWS) {
-                const float *xrow = xin + (m0 + r0) * K;
-                const float *srow = xs ? xs + (m0 + r0) * G : NULL;
-                int64_t left = mc - r0;
-                int R = left >= ROWS ? ROWS : (int)left;
-                switch (R) { /* one specialised body per row count: identical arithmetic */
-                case 4: panel_rows(xrow, K, srow, G, m, p, 4, out); break;
-                case 3: panel_rows(xrow, K, srow, G, m, p, 3, out); break;
-                case 2: panel_rows(xrow, K, srow, G, m, p, 2, out); break;
-                default: panel_rows(xrow, K, srow, G, m, p, 1, out); break;
-                }
-                for (int r = 0; r < R; r++) {
-                    float *yr = y + (m0 + r0 + r) * ldy + n0;
-                    for (int64_t c = 0; c < nn; c++) {
-                        float v = m->bias ? out[r][c] + m->bias[n0 + c] : out[r][c];
-                        yr[c] = accumulate ? yr[c] + v : v;
-                    }
+            panel_chunk(xin + m0 * K, K, xs ? xs + m0 * G : NULL, G, m, p, mc, out);
+            for (int64_t r = 0; r < mc; r++) {
+                float *yr = y + (m0 + r) * ldy + n0;
+                for (int64_t c = 0; c < nn; c++) {
+                    float v = m->bias ? out[r][c] + m->bias[n0 + c] : out[r][c];
+                    yr[c] = accumulate ? yr[c] + v : v;
                 }
             }
         }
