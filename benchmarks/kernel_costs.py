@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from specdecode.models import kernels  # noqa: E402
-from specdecode.models.config import ModelConfig  # noqa: E402
-from specdecode.models.invariance import measure  # noqa: E402
-from specdecode.models.llama import LlamaModel  # noqa: E402
+from specdecode.models import kernels
+from specdecode.models.config import ModelConfig
+from specdecode.models.invariance import measure
+from specdecode.models.llama import LlamaModel
 
 SHAPES = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (8, 1), (8, 4))  # (B, T)
 
