@@ -279,3 +279,11 @@ class FakeTargetsRunner:
 
     def audit(self, config: ConfigSpec) -> list[AuditVerdict]:
         return []
+
+
+class LookupTarget:
+    """A stand-in target for drafters that never run the target (prompt lookups): the two
+    attributes of models.target.Target the drafter registry reads before making them."""
+
+    precision = "fp32"
+    invariance = None

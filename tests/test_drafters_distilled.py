@@ -33,6 +33,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
 from specdecode.train.checkpoint import weights_sha256, write_model_card
+from tests.fakes import LookupTarget
 from tests.test_drafters_layerskip import first_token_distribution
 from tests.test_drafters_ngram import (
     DESIGN_TV,
@@ -230,7 +231,7 @@ def test_bad_folders_are_clear_errors(tiny: torch.nn.Module, shipped: Path, tmp_
 
 
 def test_a_target_off_the_native_runner_is_refused(shipped: Path) -> None:
-    class Adapter:
+    class Adapter(LookupTarget):  # a target on another backend
         backend = "transformers"
 
     with pytest.raises(SpecDecodeError, match="native runner"):

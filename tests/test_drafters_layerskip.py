@@ -25,6 +25,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams, probs_from_logits
+from tests.fakes import LookupTarget
 from tests.test_drafters_ngram import (
     DESIGN_TV,
     FALSE_ALARM,
@@ -207,8 +208,8 @@ def test_bad_layer_lists_are_refused(tiny: torch.nn.Module, layers: list[int]) -
 @pytest.mark.parametrize("name", ["layerskip", "heads", "w4a16", "int8", "ngram+w4a16"])
 def test_a_target_off_the_native_runner_is_refused(name: str) -> None:
     """Drafters that need the native runner's blocks, caches or features refuse another
-    backend with one message naming the drafter (drafters.base.require_native)."""
-    class Adapter:
+    backend with one message naming the drafter (drafters.base.native)."""
+    class Adapter(LookupTarget):  # a target on another backend
         backend = "transformers"
 
     drafter = name.removeprefix("ngram+")

@@ -32,6 +32,7 @@ from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import LoadedModel, load_native
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint
+from tests.fakes import LookupTarget
 
 V = 96  # the tiny checkpoint's vocabulary
 FALSE_ALARM = 1e-4
@@ -136,7 +137,7 @@ def test_bad_sizes_are_refused() -> None:
     with pytest.raises(SpecDecodeError, match="min_n <= max_n"):
         NgramDrafter(max_n=2, min_n=3)
     with pytest.raises(SpecDecodeError, match="min_n <= max_n"):
-        drafter_factory(DrafterOptions("ngram", ngram_max=3, ngram_min=0), None)
+        drafter_factory(DrafterOptions("ngram", ngram_max=3, ngram_min=0), LookupTarget())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from specdecode.server.isolation import Isolation, credential
 from specdecode.server.state import ServeOptions, ServerState
 from specdecode.suffix import SuffixStore
 from tests.conftest import make_checkpoint
+from tests.fakes import LookupTarget
 from tests.test_server import NO_EOS, serving, slow_down, wait_for
 
 TOKENS = 24
@@ -109,7 +110,7 @@ def test_by_default_a_user_drafts_only_from_their_own_earlier_requests(
     request (more accepted); Bob's identical prompt, and Alice's `user` presented with another
     key, read no stored text and draft exactly as a cold request. The store keys are digests:
     no raw key or user id is kept, nor shown by /metrics."""
-    assert drafter_factory("suffix", object()).isolation == "user"  # type: ignore[union-attr]
+    assert drafter_factory("suffix", LookupTarget()).isolation == "user"  # type: ignore[union-attr]
     with suffix_server(model) as (srv, state):
         assert state.served.isolation.mode == "user"
         store = store_of(state)
@@ -277,7 +278,7 @@ def test_serve_defaults_isolate_and_take_the_registrys_caps(tmp_path: Path) -> N
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--model", str(tmp_path), "--drafter", "suffix"])
-    factory = drafter_factory(options_from_args(args).drafter, object())
+    factory = drafter_factory(options_from_args(args).drafter, LookupTarget())
     assert factory is not None and factory.store is not None
     assert factory.isolation == "user"
     assert factory.store.max_bytes == SUFFIX_STORE_MIB * 2**20
@@ -285,7 +286,7 @@ def test_serve_defaults_isolate_and_take_the_registrys_caps(tmp_path: Path) -> N
     args = parser.parse_args(["serve", "--model", str(tmp_path), "--drafter", "suffix",
                               "--suffix-isolation", "shared", "--suffix-mib", "8",
                               "--suffix-requests", "50"])
-    factory = drafter_factory(options_from_args(args).drafter, object())
+    factory = drafter_factory(options_from_args(args).drafter, LookupTarget())
     assert factory is not None and factory.store is not None
     assert (factory.isolation, factory.store.max_bytes, factory.store.max_requests) == \
         ("shared", 8 * 2**20, 50)

@@ -51,6 +51,7 @@ from specdecode.suffix import (
 from specdecode.verify import check_tree, tree_depths
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
+from tests.fakes import LookupTarget
 from tests.test_engine_sampled import (
     FALSE_ALARM,
     PARAMS,
@@ -482,7 +483,7 @@ def test_bad_caps_are_refused() -> None:
         with pytest.raises(ValueError, match="suffix store"):
             SuffixStore(mib, requests)
     with pytest.raises(SpecDecodeError, match="suffix store"):
-        drafter_factory(DrafterOptions("suffix", suffix_mib=0.0), object())
+        drafter_factory(DrafterOptions("suffix", suffix_mib=0.0), LookupTarget())
 
 
 class SharedViewStore(SuffixStore):
@@ -517,7 +518,7 @@ def test_isolation_keys_never_see_each_others_text() -> None:
 
 def test_isolation_holds_through_the_drafter() -> None:
     """A `suffix` drafter of key B proposes nothing from key A's request; one of key A does."""
-    factory = drafter_factory("suffix", object())
+    factory = drafter_factory("suffix", LookupTarget())
     assert isinstance(factory, SuffixFactory)
     secret = unique_doc(5, 80)
     writer = factory()
@@ -665,7 +666,7 @@ class OverfullDrafter(TreeLookupDrafter):
 
 
 def test_drafts_are_well_formed_trees_within_the_budget() -> None:
-    factory = drafter_factory("suffix", object())
+    factory = drafter_factory("suffix", LookupTarget())
     assert factory is not None
     for make in (factory, lambda: TreeLookupDrafter()):
         check_drafts(make, seed=11)  # type: ignore[arg-type]
@@ -722,7 +723,7 @@ def test_rates_are_learned_from_the_branch_the_text_took() -> None:
 
 def test_the_suffix_drafter_stores_its_request_and_drafts_from_earlier_ones() -> None:
     factory = drafter_factory(DrafterOptions("suffix", suffix_mib=8.0, suffix_requests=3),
-                              object())
+                              LookupTarget())
     assert isinstance(factory, SuffixFactory)
     assert factory.store.max_bytes == 8 * 2**20 and factory.store.max_requests == 3
     first = factory()
@@ -737,7 +738,7 @@ def test_the_suffix_drafter_stores_its_request_and_drafts_from_earlier_ones() ->
     draft = request(second, [9, *prompt[-5:]], 6, 8)  # a new request that ends like the first
     assert draft.tokens.tolist()[:6] == output[:6]
     assert isinstance(second, SuffixDrafter) and second.store is factory.store
-    lone = drafter_factory("ngram-tree", object())
+    lone = drafter_factory("ngram-tree", LookupTarget())
     assert lone is not None
     alone = lone()
     assert isinstance(alone, TreeLookupDrafter) and not isinstance(alone, SuffixDrafter)
@@ -761,12 +762,12 @@ def test_drafts_are_deterministic() -> None:
 
 def test_the_registry_and_the_cli_know_the_tree_drafters(tmp_path: Path) -> None:
     assert {"suffix", "ngram-tree"} <= set(DRAFTERS)
-    factory = drafter_factory(DrafterOptions("suffix", tree_nodes=5, ngram_max=4), object())
+    factory = drafter_factory(DrafterOptions("suffix", tree_nodes=5, ngram_max=4), LookupTarget())
     assert isinstance(factory, SuffixFactory)
     made = [factory(), factory()]
     assert made[0].store is made[1].store and made[0].max_nodes == 5  # one store per factory
     assert made[0].max_match == 4
-    ngram_tree = drafter_factory("ngram-tree", object())
+    ngram_tree = drafter_factory("ngram-tree", LookupTarget())
     assert ngram_tree is not None and ngram_tree().max_nodes == 16
     ckpt = make_checkpoint(tmp_path / "tiny")
     for name in ("suffix", "ngram-tree"):

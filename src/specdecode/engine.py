@@ -32,19 +32,18 @@ import dataclasses
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from specdecode.constraints import Constraint, constrain_draft
 from specdecode.control import AlphaEstimate, Controller, CostModel, StepObservation, best_width
 from specdecode.counters import Counters
-from specdecode.drafters.base import Draft, Drafter, DraftRequest, Rounds, ids_tensor
+from specdecode.drafters.base import CacheModel, Draft, Drafter, DraftRequest, Rounds, ids_tensor
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_K
-from specdecode.models.cache import copies_rows, holds_tensors
+from specdecode.models.target import Cache, Target
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
 from specdecode.sampling import (
     PositionNoise,
@@ -111,7 +110,7 @@ class Generation:
 
     def __init__(
         self,
-        model: Any,
+        model: Target,
         tokenizer: Tokenizer | None,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -133,7 +132,7 @@ class Generation:
         if self.max_nodes and drafter is not None and drafter.wants_hidden:
             raise SpecDecodeError(f"the {drafter.name} drafter drafts token trees and observes "
                                   "hidden states: the engine supports one or the other")
-        self.trees = self.max_nodes > 0 and bool(getattr(model, "supports_trees", False))
+        self.trees = self.max_nodes > 0 and model.supports_trees
         self.next_k = self.k  # draft length of the next step; a controller may change it
         self.model_k: int | None = None  # the controller's k for a fits_width drafter's model
         self.category = category
@@ -150,7 +149,7 @@ class Generation:
         self.context = list(prompt_ids)
         self.output: list[int] = []
         self.capacity = len(prompt_ids) + params.max_tokens + max(self.k, self.max_nodes) + 1
-        self.cache: Any = None
+        self.cache: Cache | None = None
         self.row = 0
         self.counters = Counters(prompt_tokens=len(prompt_ids))
         self.finish_reason: str | None = None
@@ -162,6 +161,13 @@ class Generation:
         self.last_alphas: list[float] = []  # alpha samples of the last verified step
         self.last_committed = 0  # tokens the last step committed (EOS included)
         self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
+
+    @property
+    def kv(self) -> Cache:
+        """The cache this request decodes in (its own, or its batch's), once allocated."""
+        if self.cache is None:
+            raise SpecDecodeError("the request has no cache: it was released")
+        return self.cache
 
     @property
     def prefilled(self) -> bool:
@@ -195,12 +201,12 @@ class Generation:
     def adopt_prefill(self, template: Generation) -> None:
         """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
         if template.context[: self.prompt_len] != self.context or not template.prefilled or \
-                not copies_rows(template.cache) or self.wants_hidden:
+                template.cache is None or not template.cache.copies_rows or self.wants_hidden:
             self.prefill()
             return
         n = self.prompt_len - 1
         self.cache = self.model.new_cache(1, self.capacity)
-        self.cache.copy_row(0, template.cache, template.row, n)
+        self.cache.copy_row(0, template.kv, template.row, n)
         self._prefilled = n
 
     def step(self) -> StepOutput:
@@ -212,8 +218,8 @@ class Generation:
         draft = self.propose()  # 1. propose
         t1 = time.perf_counter_ns()
         fed = self.fed(draft)[None]
-        logits, hidden = score(self.model, fed, self.cache, self.wants_hidden,
-                               **tree_inputs([self], [draft], fed.shape[1]))  # 2. score
+        logits, hidden = score(self.model, fed, self.kv, self.wants_hidden,
+                               tree=tree_inputs([self], [draft], fed.shape[1]))  # 2. score
         self.counters.target_ns += time.perf_counter_ns() - t1
         return self.finish_step(logits[0], draft, None if hidden is None else hidden[0])
 
@@ -236,7 +242,8 @@ class Generation:
         request = DraftRequest(ids_tensor(self.context), k, self.params, self.prompt_len,
                                self.generator, self.model_k, self.noise, self.position,
                                self.matcher, self.unfed, self.max_nodes)
-        if self.drafter.cache_model is not None and holds_tensors(self.cache):
+        if self.drafter.cache_model is not None and self.cache is not None and \
+                self.cache.holds_tensors:
             return self.drafter.rounds(request)
         with torch.inference_mode():
             draft = self.drafter.propose(request)
@@ -279,9 +286,9 @@ class Generation:
         t3 = time.perf_counter_ns()
         base = len(self.context) - 1
         if isinstance(result, TreeVerifyResult):  # 4. commit: the path's KV, compacted
-            self.cache.keep(self.row, base + 1 - self.unfed, kept_slots(self.unfed, result.path))
+            self.kv.keep(self.row, base + 1 - self.unfed, kept_slots(self.unfed, result.path))
         else:  # a chain: move the length back
-            self.cache.rollback(self.row, base + 1 + result.num_accepted)
+            self.kv.rollback(self.row, base + 1 + result.num_accepted)
         committed = result.tokens.tolist()
         if self.drafter is not None:
             if hidden is not None and self.wants_hidden:  # features of the kept positions
@@ -429,7 +436,7 @@ class BatchEngine:
     stalls the running requests for more than one chunk of work per step.
     """
 
-    def __init__(self, model: Any, max_batch: int, max_seq_len: int,
+    def __init__(self, model: Target, max_batch: int, max_seq_len: int,
                  controller: Controller | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.cache = model.new_cache(max_batch, max_seq_len)
@@ -514,7 +521,7 @@ class BatchEngine:
     def _adopt(self, gen: Generation) -> None:
         """Copy a prefilled request's KV into the next free row; it decodes from there on."""
         row = len(self.active)
-        self.cache.copy_row(row, gen.cache, 0, gen.cache.lengths[0])
+        self.cache.copy_row(row, gen.kv, 0, gen.kv.lengths[0])
         gen.cache, gen.row = self.cache, row
         self.active.append(gen)
         if self.controller is not None:  # seeded now, not when queued: the category's
@@ -596,7 +603,7 @@ class BatchEngine:
         start = time.perf_counter_ns()
         want = any(g.wants_hidden for g in self.active)
         logits, hidden = score(self.model, tokens, view, want, num_new=[len(f) for f in fed],
-                               **tree_inputs(self.active, drafts, width))
+                               tree=tree_inputs(self.active, drafts, width))
         elapsed = time.perf_counter_ns() - start
         self.cache.lengths[:n] = view.lengths
         for gen in self.active:
@@ -613,20 +620,21 @@ def draft_rows(gens: list[Generation]) -> list[Draft]:
     split evenly among the rows it fed."""
     drafts: list[Draft | None] = [None] * len(gens)
     groups: dict[tuple[int, int, int], list[tuple[int, Rounds]]] = {}
+    runs: dict[tuple[int, int, int], tuple[CacheModel, Cache]] = {}
     for i, gen in enumerate(gens):
         t0 = time.perf_counter_ns()
         begun = gen.begin_draft()
         gen.counters.draft_ns += time.perf_counter_ns() - t0
         if isinstance(begun, Draft):
             drafts[i] = begun
-        else:
-            model = gen.drafter.cache_model  # type: ignore[union-attr]
-            alone = -1 if model.rows_independent else i  # type: ignore[union-attr]
-            groups.setdefault((id(gen.cache), id(model), alone), []).append((i, begun))
-    for members in groups.values():
-        first = gens[members[0][0]]
-        made, spent = draft_in_cache(first.drafter.cache_model,  # type: ignore[union-attr]
-                                     first.cache, [gens[i].row for i, _ in members],
+        else:  # rounds: the drafter has a cache_model (Generation.begin_draft)
+            assert gen.drafter is not None and gen.drafter.cache_model is not None
+            model = gen.drafter.cache_model
+            key = (id(gen.cache), id(model), -1 if model.rows_independent else i)
+            groups.setdefault(key, []).append((i, begun))
+            runs[key] = (model, gen.kv)
+    for key, members in groups.items():
+        made, spent = draft_in_cache(*runs[key], [gens[i].row for i, _ in members],
                                      [rounds for _, rounds in members])
         for (i, _), draft, ns in zip(members, made, spent, strict=True):
             drafts[i] = draft
@@ -634,7 +642,7 @@ def draft_rows(gens: list[Generation]) -> list[Draft]:
     return [g.end_draft(d) for g, d in zip(gens, drafts, strict=True)]  # type: ignore[arg-type]
 
 
-def draft_in_cache(model: Any, cache: Any, rows: list[int], steps: list[Rounds]
+def draft_in_cache(model: CacheModel, cache: Cache, rows: list[int], steps: list[Rounds]
                    ) -> tuple[list[Draft], list[int]]:
     """Run drafters' `rounds` (drafters.base.Drafter.rounds) in the target's `cache`, request i in
     row rows[i]. Each round, one forward of `model` over the rows from the first to the last of
@@ -677,7 +685,7 @@ def draft_in_cache(model: Any, cache: Any, rows: list[int], steps: list[Rounds]
     return drafts, spent
 
 
-def rows_view(cache: Any, first: int, n: int) -> Any:
+def rows_view(cache: Cache, first: int, n: int) -> Cache:
     """The cache's rows first..first+n-1: views of the same storage, with a copy of their
     lengths."""
     return cache.view(first, n)
@@ -710,18 +718,19 @@ def shrink(draft: Draft, nodes: int) -> Draft:
 
 
 def tree_inputs(gens: list[Generation], drafts: list[Draft], width: int
-                ) -> dict[str, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The runner's `positions` (B, width) and `tree_mask` (B, width, width) for a forward
-    in which some row scores a tree (trees.layout; the other rows causal), or {} if none does."""
+    in which some row scores a tree (trees.layout; the other rows causal), or None if none
+    does."""
     if all(d.parents is None for d in drafts):
-        return {}
+        return None
     positions, masks = [], []
     for gen, draft in zip(gens, drafts, strict=True):
         parents = draft.parents if draft.parents is not None else _EMPTY
         offsets, block = layout(parents, gen.unfed, width)
-        positions.append(offsets + gen.cache.lengths[gen.row])
+        positions.append(offsets + gen.kv.lengths[gen.row])
         masks.append(block)
-    return {"positions": torch.stack(positions), "tree_mask": torch.stack(masks)}
+    return torch.stack(positions), torch.stack(masks)
 
 
 def tree_logits(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor,
@@ -752,18 +761,24 @@ def cut(draft: Draft, k: int) -> Draft:
                  None if draft.confidence is None else draft.confidence[:k])
 
 
-def score(model: Any, tokens: torch.Tensor, cache: Any, want_hidden: bool,
-          **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's logits (B, T, V) of `tokens`, and its hidden states (B, T, H) if asked.
+def score(model: Target, tokens: torch.Tensor, cache: Cache, want_hidden: bool,
+          num_new: Sequence[int] | None = None,
+          tree: tuple[torch.Tensor, torch.Tensor] | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's logits (B, T, V) of `tokens` (row b: its first num_new[b]; `tree`: the
+    positions and tree masks of tree_inputs), and its hidden states (B, T, H) if asked.
 
-    With hidden states, the LM head is applied here to the runner's return_hidden output: the
-    same operations as its own logits path, so the logits are identical either way.
+    With hidden states, the LM head is applied here to the runner's return_hidden output
+    (Target.head): the same operations as its own logits path, so the logits are identical.
     """
+    positions, tree_mask = tree if tree is not None else (None, None)
     with torch.inference_mode():
         if not want_hidden:
-            return model(tokens, cache, **kwargs), None
-        hidden = model(tokens, cache, return_hidden=True, **kwargs)  # (B, T, H)
-        return model.lm_head(hidden).float(), hidden
+            return model(tokens, cache, positions=positions, tree_mask=tree_mask,
+                         num_new=num_new), None
+        hidden = model(tokens, cache, positions=positions, tree_mask=tree_mask,
+                       num_new=num_new, return_hidden=True)  # (B, T, H)
+        return model.head(hidden), hidden
 
 
 def run_batch(engine: BatchEngine, gens: list[Generation]) -> list[Generation]:

@@ -21,6 +21,7 @@ import torch
 
 from specdecode.bench.hardware import load_average, machine_summary
 from specdecode.calibration import forward_costs, quartiles
+from specdecode.models.llama import LlamaModel
 from specdecode.models.loading import load_model
 
 
@@ -106,7 +107,7 @@ def run_costs(model_spec: str | None, precision: str, backend: str, context: int
     result["curves"] = [forward_costs(loaded.model, b, context, kmax, repeats) for b in batches]
     # the native runner against transformers on the same weights (llama.cpp's peers, its own
     # Python loops, are measured by `bench --backend llama.cpp`)
-    if compare_transformers and precision == "fp32" and loaded.backend == "native":
+    if compare_transformers and precision == "fp32" and isinstance(loaded.model, LlamaModel):
         result["peer"] = peer_comparison(loaded, 32, max(3, repeats // 2), context)
     result["load_avg_1m_end"] = load_average()
     return result

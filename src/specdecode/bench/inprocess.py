@@ -59,6 +59,7 @@ from specdecode.drafters.registry import DrafterFactory, drafter_factory
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
 from specdecode.memory import drafter_module, peak_rss_bytes, weight_bytes
+from specdecode.models.llamacpp import LlamaCppModel, llamacpp_target
 from specdecode.models.loading import LoadedModel, file_digest
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
@@ -365,9 +366,8 @@ class InProcessRunner:
         """Refuse what cannot run before anything is measured; builds every drafter factory."""
         for config in configs:
             config_k(config)
-            if is_peer(config.drafter) and self.loaded.backend != "llama.cpp":
-                raise SpecDecodeError(f"config {config.name}: the llama-cpp-python peers run "
-                                      "beside the llama.cpp backend (--backend llama.cpp)")
+            if is_peer(config.drafter):
+                self._peer_target(config)
             self.factory(config)
 
     # ------------------------------------------------------------------- protocol: run
@@ -429,6 +429,14 @@ class InProcessRunner:
                 kmax=k, costs=costs, max_step_cost=drafter_options(config).max_step_cost)
         return self._controllers[config.key]
 
+    def _peer_target(self, config: ConfigSpec) -> LlamaCppModel:
+        """The llama.cpp target the llama-cpp-python peers run beside (they load its GGUF)."""
+        target = llamacpp_target(self.loaded.model)
+        if target is None:
+            raise SpecDecodeError(f"config {config.name}: the llama-cpp-python peers run "
+                                  "beside the llama.cpp backend (--backend llama.cpp)")
+        return target
+
     def _peer(self, config: ConfigSpec, request: TurnRequest) -> Finished:
         """One request through a llama-cpp-python peer (bench.peers); batch 1 only."""
         if config.batch_size != 1:
@@ -437,8 +445,8 @@ class InProcessRunner:
             raise SpecDecodeError(f"config {config.name}: the llama-cpp-python peers do not "
                                   "take structured-output constraints")
         if self._peers is None:
-            model = self.loaded.model
-            self._peers = LlamaCppPeers(self.loaded.source, model.threads, self.capacity + 64)
+            threads = self._peer_target(config).threads
+            self._peers = LlamaCppPeers(self.loaded.source, threads, self.capacity + 64)
         trace = RequestTrace(time.perf_counter())
         tokens, counters = self._peers.generate(config.drafter, config_k(config),
                                                 request.prompt_ids, request.params,

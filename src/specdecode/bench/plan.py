@@ -178,7 +178,9 @@ def default_configs_text(backend: str = "auto") -> str:
     benchmarks/drafters.py: best of those measured on every built-in and Spec-Bench category at
     batch 1, greedy, 1.4-2.3x plain); each of its two parts alone, the w4a16 copy at k=3 (1.2-1.5x
     everywhere) and ngram k=4, so the report shows what the combination adds."""
-    if backend in ("llama.cpp", "llamacpp"):
+    from specdecode.models.loading import LLAMACPP_NAMES
+
+    if backend in LLAMACPP_NAMES:
         return LLAMACPP_CONFIGS
     items = ["plain", "ngram+w4a16:k=3", "w4a16:k=3"]
     if "ngram" in known_drafters():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import array
 import dataclasses
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +35,9 @@ from specdecode.sampling import (
 
 if TYPE_CHECKING:
     from specdecode.constraints import Matcher
+    from specdecode.models.config import ModelConfig
+    from specdecode.models.llama import LlamaModel
+    from specdecode.models.target import Cache, Target
     from specdecode.suffix import SuffixStore
 
 EMPTY = torch.zeros(0, dtype=torch.long)  # no tokens (an empty draft, or no draft yet)
@@ -104,7 +107,8 @@ Rounds = Generator[int, torch.Tensor, Draft]  # a proposal in the target's cache
 
 
 class CacheModel(Protocol):
-    """The model a drafter runs in the target's cache (`Drafter.cache_model`)."""
+    """The model a drafter runs in the target's cache (`Drafter.cache_model`): a copy of the
+    target's layout (a quantized copy, a subset of its blocks)."""
 
     @property
     def rows_independent(self) -> bool:
@@ -112,7 +116,21 @@ class CacheModel(Protocol):
         engine drafts a batch's rows in one forward per draft position, else one per forward."""
         ...
 
-    def __call__(self, tokens: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor: ...
+    def __call__(self, tokens: torch.Tensor, cache: Cache, *,
+                 num_new: Sequence[int] | None = None,
+                 logits_for: str | torch.Tensor = "all") -> torch.Tensor:
+        """Logits of `tokens` (B, T) written at each row's length, as Target.__call__."""
+        ...
+
+
+class DraftModel(CacheModel, Protocol):
+    """A model a drafter drafts with in a cache of its own (drafters.draft_model): any Target
+    (the draft's own checkpoint, a quantized copy), or a subset of one's blocks."""
+
+    @property
+    def cfg(self) -> ModelConfig: ...
+
+    def new_cache(self, batch: int, capacity: int) -> Cache: ...
 
 
 class Drafter(abc.ABC):
@@ -240,8 +258,11 @@ def draw(logits: torch.Tensor, request: DraftRequest, history: torch.Tensor, i: 
     return int(sample(q, request.generator)), q
 
 
-def require_native(target: Any, drafter: str) -> None:
-    """Raise SpecDecodeError unless `target` runs on the native runner, which `drafter` needs
-    (its blocks, caches or features)."""
-    if getattr(target, "backend", "") != "native":
+def native(target: Target, drafter: str) -> LlamaModel:
+    """`target` as the native runner, which `drafter` needs (its blocks, caches or features);
+    SpecDecodeError on any other backend."""
+    from specdecode.models.llama import LlamaModel
+
+    if not isinstance(target, LlamaModel):
         raise SpecDecodeError(f"the {drafter} drafter needs a target on the native runner")
+    return target

@@ -23,15 +23,19 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from specdecode.drafters.base import require_native
+from specdecode.drafters.base import native
 from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:
+    from specdecode.models.llama import LlamaModel
+    from specdecode.models.target import Target
 
 FORMAT = "specdecode-distilled-draft"
 FORMAT_VERSION = 1
@@ -83,23 +87,23 @@ def evenly_spaced(num_layers: int, n: int) -> tuple[int, ...]:
     return tuple(round(i * (num_layers - 1) / (n - 1)) for i in range(n))
 
 
-def embedding_weight(target: Any) -> torch.Tensor:
+def embedding_weight(target: LlamaModel) -> torch.Tensor:
     """The target's token embedding (V, H) as float32 (whatever its precision)."""
     from specdecode.models.precision import float_weight
 
     return float_weight(target.embed)[0].float()
 
 
-def head_weight(target: Any) -> torch.Tensor:
+def head_weight(target: LlamaModel) -> torch.Tensor:
     """The target's LM head matrix (V, H) as float32 (its embedding when they are tied)."""
     from specdecode.models.precision import float_weight
 
     return float_weight(target.lm_head)[0].float()
 
 
-def initial_weights(target: Any, layout: DraftLayout) -> dict[str, torch.Tensor]:
+def initial_weights(target: LlamaModel, layout: DraftLayout) -> dict[str, torch.Tensor]:
     """The draft's own weights before training: copies of the target's chosen blocks and norm."""
-    if getattr(target, "precision", "fp32") != "fp32":
+    if target.precision != "fp32":
         raise SpecDecodeError("a draft is initialised from an fp32 target (--precision fp32)")
     state = target.state_dict()
     out = {"norm": state["norm"].detach().clone()}
@@ -111,14 +115,14 @@ def initial_weights(target: Any, layout: DraftLayout) -> dict[str, torch.Tensor]
     return out
 
 
-def build_draft(target: Any, layout: DraftLayout, vocab_ids: torch.Tensor | None,
-                own: dict[str, torch.Tensor] | None = None) -> Any:
+def build_draft(model: Target, layout: DraftLayout, vocab_ids: torch.Tensor | None,
+                own: dict[str, torch.Tensor] | None = None) -> LlamaModel:
     """A draft LlamaModel with weights `own` (blocks and final norm; default: the target's blocks
     `layout.layers_from`) and the target's embedding and LM head (or the rows `vocab_ids` of
     it)."""
     from specdecode.models.llama import LlamaModel, rope_inv_freq
 
-    require_native(target, "distilled")
+    target = native(model, "distilled")
     cfg = dataclasses.replace(target.cfg, num_layers=len(layout.layers_from))
     weights = own if own is not None else initial_weights(target, layout)
     with torch.device("meta"):
@@ -142,7 +146,7 @@ def build_draft(target: Any, layout: DraftLayout, vocab_ids: torch.Tensor | None
     return draft.eval()
 
 
-def draft_tensors(draft: Any) -> dict[str, torch.Tensor]:
+def draft_tensors(draft: LlamaModel) -> dict[str, torch.Tensor]:
     """The draft's own weights (blocks and final norm) in bf16, plus its head's token ids."""
     own = {name: t.detach().to(torch.bfloat16).contiguous()
            for name, t in draft.state_dict().items()
@@ -152,7 +156,7 @@ def draft_tensors(draft: Any) -> dict[str, torch.Tensor]:
     return own
 
 
-def save_distilled(draft: Any, folder: Path, layout: DraftLayout) -> None:
+def save_distilled(draft: LlamaModel, folder: Path, layout: DraftLayout) -> None:
     """Write draft.safetensors and config.json into `folder` (the card is written by training)."""
     from specdecode.train.checkpoint import atomic_save_tensors, atomic_write_text
 
@@ -180,12 +184,12 @@ def read_config(folder: Path) -> dict[str, Any]:
     return raw
 
 
-def load_distilled(folder: Path, target: Any) -> Any:
+def load_distilled(folder: Path, target: Target) -> LlamaModel:
     """Load the draft in `folder` onto `target` (the card must name its weights sha256)."""
     from specdecode.train.checkpoint import check_target as check_trained_for
     from specdecode.train.checkpoint import read_card
 
-    require_native(target, "distilled")
+    native(target, "distilled")
     raw = read_config(folder)
     check_trained_for(read_card(folder), target, folder)
     try:

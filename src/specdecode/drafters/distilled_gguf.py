@@ -44,7 +44,12 @@ import torch
 
 from specdecode.drafters.base import Drafter
 from specdecode.errors import SpecDecodeError
-from specdecode.models.llamacpp import LlamaCppModel  # imports llama_cpp only when one loads
+from specdecode.models.config import ModelConfig
+from specdecode.models.llamacpp import (  # import llama_cpp only when one loads
+    LlamaCppCache,
+    LlamaCppModel,
+)
+from specdecode.models.target import Cache
 
 EXPORT_VERSION = "1"  # bump when the exported file changes
 WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_0")
@@ -245,7 +250,7 @@ def export_distilled_gguf(folder: Path, target_gguf: Path, dest: Path, *,
                 continue
             _copy_field(writer, key, field)
         writer.add_name(f"{card.get('target', 'target')} distilled draft ({layers} blocks)")
-        writer.add_file_type(getattr(LlamaFileType, _FILE_TYPES[weight_type]))
+        writer.add_file_type(LlamaFileType[_FILE_TYPES[weight_type]])
         writer.add_block_count(layers)
         writer.add_vocab_size(cfg.vocab_size if ids is None else len(ids))
         _write_tokenizer(writer, fields, ids)
@@ -278,7 +283,7 @@ def export_distilled_gguf(folder: Path, target_gguf: Path, dest: Path, *,
     return dest
 
 
-def _write_blocks(writer: Any, tensors: dict[str, torch.Tensor], cfg: Any, layers: int,
+def _write_blocks(writer: Any, tensors: dict[str, torch.Tensor], cfg: ModelConfig, layers: int,
                   weight_type: str) -> None:
     """The draft's blocks (native runner names, fused qkv and gate_up) under llama.cpp's names;
     q and k rows permuted into llama.cpp's RoPE layout, as gguf_write does."""
@@ -314,7 +319,7 @@ def _write_blocks(writer: Any, tensors: dict[str, torch.Tensor], cfg: Any, layer
     _put(writer, "output_norm.weight", take("norm"), weight_type)
 
 
-def _write_sidecar(path: Path, embed: Any, ids: np.ndarray, cfg: Any, layers: int,
+def _write_sidecar(path: Path, embed: Any, ids: np.ndarray, cfg: ModelConfig, layers: int,
                    target_gguf: Path) -> None:
     """The subset draft's input side: the target's whole embedding table as stored (raw rows),
     the vocabulary ids its head scores, and what it was made from."""
@@ -404,7 +409,7 @@ class EmbeddingRows:
             len(rows), self.n_embd)
 
 
-def load_gguf_draft(path: Path, target: Any) -> Any:
+def load_gguf_draft(path: Path, target: LlamaCppModel) -> SubsetDraft:
     """A GGUF draft for a llama.cpp target: a subset-head export (with its sidecar) as a
     SubsetDraft, fed embeddings; refused if it was exported for another target GGUF."""
     from safetensors import SafetensorError, safe_open
@@ -436,7 +441,7 @@ class SubsetDraft(LlamaCppModel):
     embeddings (the target's rows), it returns logits over the target's whole vocabulary, -inf
     outside the subset. One row per call (a draft model drafts in its own cache, row by row)."""
 
-    def __init__(self, path: Path, target_cfg: Any, ids: np.ndarray, embed: EmbeddingRows,
+    def __init__(self, path: Path, target_cfg: ModelConfig, ids: np.ndarray, embed: EmbeddingRows,
                  layers: int, *, threads: int | None = None, sequences: int | None = None
                  ) -> None:
         own = dataclasses.replace(target_cfg, num_layers=layers, vocab_size=len(ids))
@@ -457,7 +462,7 @@ class SubsetDraft(LlamaCppModel):
     def __call__(
         self,
         tokens: torch.Tensor,  # (1, T) int64
-        cache: Any,
+        cache: Cache,
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         num_new: Sequence[int] | None = None,
@@ -471,6 +476,8 @@ class SubsetDraft(LlamaCppModel):
         if B != 1 or num_new is not None or positions is not None or tree_mask is not None \
                 or layers is not None or return_hidden:
             raise SpecDecodeError("a subset-head GGUF draft scores one row of new tokens")
+        if not isinstance(cache, LlamaCppCache):
+            raise SpecDecodeError("a llama.cpp draft scores in its own caches only")
         cache.check_room(T)
         if isinstance(logits_for, torch.Tensor):
             wanted = sorted(int(i) % T for i in logits_for.tolist())
@@ -510,7 +517,7 @@ class SubsetDraft(LlamaCppModel):
         return super().weight_bytes() + int(self.embed.raw.nbytes)  # + the input table
 
     def close(self) -> None:
-        if getattr(self, "_ctx", None):
+        if self._ctx:
             self.L.llama_batch_free(self._embd_batch)
         super().close()
 
@@ -518,7 +525,7 @@ class SubsetDraft(LlamaCppModel):
 # --- the drafter -----------------------------------------------------------------------------
 
 
-def llamacpp_distilled_factory(target: Any, folder: Path, capacity: int
+def llamacpp_distilled_factory(target: LlamaCppModel, folder: Path, capacity: int
                                ) -> Callable[[], Drafter]:
     """`--drafter distilled` on a llama.cpp target: the export (cached), drafting as
     `--drafter draft-model` does, in the draft's own llama.cpp context."""

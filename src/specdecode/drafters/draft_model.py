@@ -23,15 +23,28 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest, Rounds, draw, ids_tensor
+from specdecode.drafters.base import (
+    EMPTY,
+    CacheModel,
+    Draft,
+    Drafter,
+    DraftModel,
+    DraftRequest,
+    Rounds,
+    draw,
+    ids_tensor,
+)
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_K
 from specdecode.sampling import process_logits, sample
 from specdecode.verify import without_replacement
+
+if TYPE_CHECKING:
+    from specdecode.models.target import Cache, Target
 
 # Sibling leaves (`siblings=True`, a token tree; EAGLE-2's idea of branching where the draft is
 # unsure, Li et al. 2024, cut to one extra leaf per position, which costs no extra draft
@@ -41,7 +54,7 @@ SIBLING_BELOW = 0.6
 SIBLING_MIN = 0.1
 
 
-def check_vocab(target: Any, draft: Any, draft_name: str) -> None:
+def check_vocab(target: Target, draft: Target, draft_name: str) -> None:
     tv, dv = target.cfg.vocab_size, draft.cfg.vocab_size
     if tv != dv:
         raise SpecDecodeError(
@@ -56,7 +69,7 @@ class DraftModelDrafter(Drafter):
     or, with `in_cache` (a model of the target's cache layout) and run by an engine, in the
     target's."""
 
-    def __init__(self, model: Any, name: str = "draft-model", capacity: int = 4096,
+    def __init__(self, model: DraftModel, name: str = "draft-model", capacity: int = 4096,
                  in_cache: bool = False, siblings: bool = False,
                  sibling_range: tuple[float, float] = (SIBLING_MIN, SIBLING_BELOW)) -> None:
         self.name = name
@@ -66,8 +79,8 @@ class DraftModelDrafter(Drafter):
         self.model = model
         self.capacity = capacity
         # with in_cache (a copy of the target's layout), engines draft it in the target's cache
-        self.cache_model: Any = model if in_cache else None
-        self.cache: Any = None  # its own cache, when it drafts outside the target's
+        self.cache_model: CacheModel | None = model if in_cache else None
+        self.cache: Cache | None = None  # its own cache, when it drafts outside the target's
         self.fed: list[int] = []  # tokens whose KV the draft cache holds, in order
         self.catch_up_ns = 0  # time the last propose spent catching up (see _sync)
 
@@ -83,32 +96,26 @@ class DraftModelDrafter(Drafter):
 
     def copy_state_from(self, other: DraftModelDrafter) -> None:
         """Start from another drafter's cache of the same model (e.g. a prefilled prompt)."""
-        if other.cache is None or other.model is not self.model or not hasattr(other.cache, "k"):
+        if other.cache is None or other.model is not self.model or \
+                not other.cache.copies_rows:
             return
-        n = len(other.fed)
         self.cache = self.model.new_cache(1, other.cache.capacity)
-        self._write_prefix(other.cache.k[:, 0, :, :n], other.cache.v[:, 0, :, :n])
+        self.cache.copy_row(0, other.cache, 0, len(other.fed))
         self.fed = list(other.fed)
 
-    def _write_prefix(self, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
-        """Hold keys and values (layers, kv_heads, n, head_dim) as the cache's slots
-        start..start+n-1, the cache then holding start + n positions."""
-        end = start + k.shape[2]
-        self.cache.k[:, 0, :, start:end] = k
-        self.cache.v[:, 0, :, start:end] = v
-        self.cache.lengths[0] = end
-
-    def _reserve(self, tokens: int) -> None:
-        """Make the cache hold `tokens` positions: allocate, or grow (doubling) with one copy."""
-        if self.cache is not None and self.cache.capacity >= tokens:
-            return
-        size = min(self.capacity, max(tokens, 128, 2 * getattr(self.cache, "capacity", 0)))
-        old, self.cache = self.cache, self.model.new_cache(1, size)
-        if old is not None and hasattr(old, "k"):
-            n = old.lengths[0]
-            self._write_prefix(old.k[:, 0, :, :n], old.v[:, 0, :, :n])
-        elif old is not None:  # a cache without tensors to copy: start again
+    def _reserve(self, tokens: int) -> Cache:
+        """Make the cache hold `tokens` positions: allocate, or grow (doubling) with one copy;
+        the cache."""
+        old = self.cache
+        if old is not None and old.capacity >= tokens:
+            return old
+        size = min(self.capacity, max(tokens, 128, 2 * (old.capacity if old else 0)))
+        self.cache = self.model.new_cache(1, size)
+        if old is not None and old.copies_rows:
+            self.cache.copy_row(0, old, 0, old.lengths[0])
+        elif old is not None:  # a cache whose rows cannot be copied: start again
             self.fed = []
+        return self.cache
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Roll back to the common prefix with `context`, feed the rest; logits of the last one.
@@ -118,18 +125,19 @@ class DraftModelDrafter(Drafter):
         (re)starting, not a cost per draft token, and the controller keeps the two apart.
         """
         start = time.perf_counter_ns()
-        self._reserve(len(context) + 1)
+        cache = self._reserve(len(context) + 1)
         n = 0
         limit = min(len(self.fed), len(context) - 1)  # always feed at least one token
         while n < limit and self.fed[n] == context[n]:
             n += 1
-        self.cache.rollback(0, n)
+        cache.rollback(0, n)
         self.fed = context[:n]
         logits = self._feed(context[n:])
         self.catch_up_ns = time.perf_counter_ns() - start if len(context) - n > 2 else 0
         return logits
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
+        assert self.cache is not None  # reserved by _sync
         logits = self.model(torch.tensor([tokens]), self.cache, logits_for="last")
         self.fed.extend(tokens)
         return logits[0]  # (1, V)

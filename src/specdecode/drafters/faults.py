@@ -15,11 +15,10 @@ its statistical tests can fail.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft, DraftRequest, ids_tensor
+from specdecode.drafters.base import EMPTY, Draft, DraftModel, DraftRequest, ids_tensor
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
@@ -28,7 +27,8 @@ FAULTS = ("q-without-temperature", "top-p-one-side", "sampler-one-side", "q-from
 
 
 class FaultyDrafter(DraftModelDrafter):
-    def __init__(self, model: Any, fault: str, other: Any = None, capacity: int = 4096) -> None:
+    def __init__(self, model: DraftModel, fault: str, other: DraftModel | None = None,
+                 capacity: int = 4096) -> None:
         if fault not in FAULTS:
             raise SpecDecodeError(f"unknown fault '{fault}' (known: {', '.join(FAULTS)})")
         if fault == "q-from-other-model" and other is None:

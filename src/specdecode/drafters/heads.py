@@ -34,7 +34,7 @@ import dataclasses
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,11 @@ from torch import nn
 
 from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest, draw, ids_tensor
 from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:
+    from specdecode.models.cache import KVCache
+    from specdecode.models.config import ModelConfig
+    from specdecode.models.llama import LlamaModel
 
 WEIGHTS_FILE = "heads.safetensors"
 DEFAULT_HEADS = "smollm2-135m"  # folder under specdecode/data/heads
@@ -62,7 +67,7 @@ class FeatureDrafterModel(nn.Module):
     target's, frozen and never saved.
     """
 
-    def __init__(self, target: Any, vocab: torch.Tensor) -> None:
+    def __init__(self, target: LlamaModel, vocab: torch.Tensor) -> None:
         super().__init__()
         from specdecode.models.llama import Linear, LlamaModel
 
@@ -89,10 +94,10 @@ class FeatureDrafterModel(nn.Module):
                              persistent=False)  # (H,): undoes the target's final norm gain
         self._embed = [target.embed]  # a list: not a submodule (frozen, never saved)
 
-    def new_cache(self, batch: int, capacity: int) -> Any:
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
         return self.core.new_cache(batch, capacity)
 
-    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: Any) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, feats: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Predicted next features (B, T, H) for entries (tokens[:, j], feats[:, j]).
 
         tokens: (B, T) the token at position j+1; feats: (B, T, H) the feature at position j.
@@ -136,14 +141,14 @@ class FeatureDrafterModel(nn.Module):
             raise SpecDecodeError(f"{source}: heads vocabulary differs from the model's")
 
 
-def target_head_weight(target: Any) -> torch.Tensor:
+def target_head_weight(target: LlamaModel) -> torch.Tensor:
     """The target's LM head as an fp32 (V, H) matrix."""
     from specdecode.models.precision import float_weight
 
     return float_weight(target.lm_head)[0].detach().float()
 
 
-def init_block(cfg: Any, std: float = 0.02) -> nn.Module:
+def init_block(cfg: ModelConfig, std: float = 0.02) -> nn.Module:
     """The draft block: matrices ~ N(0, std^2), biases zero, norm gains one (from torch's RNG)."""
     from specdecode.models.llama import Block
 
@@ -157,7 +162,7 @@ def init_block(cfg: Any, std: float = 0.02) -> nn.Module:
     return block
 
 
-def load_heads(target: Any, folder: Path) -> FeatureDrafterModel:
+def load_heads(target: LlamaModel, folder: Path) -> FeatureDrafterModel:
     """Trained heads from `folder` (heads.safetensors + card.json) for `target`; refused with a
     clear message if they were trained for another target."""
     from specdecode.train.checkpoint import check_target, read_card
@@ -194,7 +199,7 @@ class HeadsDrafter(Drafter):
         self.capacity = capacity
         self.feats = torch.zeros(0, model.fc.out_features)  # (n, H): target features, pos 0..
         self.num_feats = 0
-        self.cache: Any = None
+        self.cache: KVCache | None = None
         self.fed: list[int] = []  # token of each valid draft-cache entry (token_{j+1})
 
     def reset(self) -> None:
@@ -216,27 +221,27 @@ class HeadsDrafter(Drafter):
         self.num_feats = start + n
         del self.fed[start:]
 
-    def _reserve(self, entries: int) -> None:
-        if self.cache is not None and self.cache.capacity >= entries:
-            return
-        size = min(self.capacity, max(entries, 128, 2 * getattr(self.cache, "capacity", 0)))
-        old, self.cache = self.cache, self.model.new_cache(1, size)
+    def _reserve(self, entries: int) -> KVCache:
+        """The draft cache, holding `entries` positions: allocated, or grown (doubling)."""
+        old = self.cache
+        if old is not None and old.capacity >= entries:
+            return old
+        size = min(self.capacity, max(entries, 128, 2 * (old.capacity if old else 0)))
+        self.cache = self.model.new_cache(1, size)
         if old is not None:
-            n = old.lengths[0]
-            self.cache.k[:, 0, :, :n] = old.k[:, 0, :, :n]
-            self.cache.v[:, 0, :, :n] = old.v[:, 0, :, :n]
-            self.cache.lengths[0] = n
+            self.cache.copy_row(0, old, 0, old.lengths[0])
+        return self.cache
 
-    def _sync(self, ctx: list[int]) -> torch.Tensor:
+    def _sync(self, ctx: list[int], cache: KVCache) -> torch.Tensor:
         """Entries 0..L-2 for context `ctx` (L tokens) from the target's features; the predicted
         feature of position L-1 (1, H)."""
         last = len(ctx) - 2  # the last entry: (token L-1, feature L-2)
         n = 0
         while n < min(len(self.fed), last) and self.fed[n] == ctx[n + 1]:
             n += 1
-        self.cache.rollback(0, n)
+        cache.rollback(0, n)
         tokens = torch.tensor([ctx[n + 1 :]])  # (1, L-1-n)
-        hidden = self.model(tokens, self.feats[n : last + 1][None], self.cache)[0]
+        hidden = self.model(tokens, self.feats[n : last + 1][None], cache)[0]
         self.fed = ctx[1:]
         return hidden[-1:]  # (1, H)
 
@@ -247,8 +252,8 @@ class HeadsDrafter(Drafter):
     def _propose(self, ctx: list[int], k: int, request: DraftRequest) -> Draft:
         if len(ctx) < 2 or self.num_feats < len(ctx) - 1 or len(ctx) + k > self.capacity:
             return Draft(EMPTY, None)  # no target features for this context (yet)
-        self._reserve(len(ctx) + k)
-        hidden = self._sync(ctx)
+        cache = self._reserve(len(ctx) + k)
+        hidden = self._sync(ctx, cache)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
@@ -257,5 +262,5 @@ class HeadsDrafter(Drafter):
             qs += [] if q is None else [q]
             tokens.append(tok)
             if i + 1 < k:
-                hidden = self.model(torch.tensor([[tok]]), hidden[None], self.cache)[0]
+                hidden = self.model(torch.tensor([[tok]]), hidden[None], cache)[0]
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(qs) if qs else None)

@@ -31,14 +31,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from specdecode.drafters.base import require_native
+from specdecode.drafters.base import native
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cache import KVCache
+from specdecode.models.llama import LlamaModel
 from specdecode.models.loading import cache_root
+from specdecode.models.target import Cache, Target
+from specdecode.models.tokenizer import Tokenizer
 
 # Share of the blocks the draft runs by default. Measured on SmolLM2-135M (CPU, greedy): keeping
 # 27 of 30 blocks (agreement 0.74 on the calibration text) lost least (about 0.5x plain), 24 and 21
@@ -83,34 +86,33 @@ class Calibration:
 class LayerSubset:
     """The target restricted to `layers`: what DraftModelDrafter calls its draft model."""
 
-    def __init__(self, model: Any, layers: Sequence[int]) -> None:
+    def __init__(self, model: LlamaModel, layers: Sequence[int]) -> None:
         self.model = model
         self.layers = tuple(layers)
         self.cfg = model.cfg
+        self.rows_independent = model.rows_independent
 
-    def new_cache(self, batch: int, capacity: int) -> Any:
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
         return self.model.new_cache(batch, capacity)
 
-    @property
-    def rows_independent(self) -> bool:
-        return bool(getattr(self.model, "rows_independent", False))
-
-    def __call__(self, tokens: torch.Tensor, cache: Any, **kwargs: Any) -> torch.Tensor:
-        return self.model(tokens, cache, layers=self.layers, **kwargs)
+    def __call__(self, tokens: torch.Tensor, cache: Cache, *,
+                 num_new: Sequence[int] | None = None,
+                 logits_for: str | torch.Tensor = "all") -> torch.Tensor:
+        return self.model(tokens, cache, num_new=num_new, logits_for=logits_for,
+                          layers=self.layers)
 
 
 class LayerSkipDrafter(DraftModelDrafter):
     """Self-speculation drafter (one per request) running the target's blocks `layers` only."""
 
-    def __init__(self, model: Any, layers: Sequence[int], capacity: int = 4096) -> None:
+    def __init__(self, model: LlamaModel, layers: Sequence[int], capacity: int = 4096) -> None:
         check_layers(model, layers)
         super().__init__(LayerSubset(model, layers), "layerskip", capacity, in_cache=True)
 
 
-def check_layers(model: Any, layers: Sequence[int]) -> None:
+def check_layers(model: Target, layers: Sequence[int]) -> None:
     """Raise SpecDecodeError unless `model` is on the native runner and `layers` are its blocks."""
-    require_native(model, "layerskip")
-    n = model.cfg.num_layers
+    n = native(model, "layerskip").cfg.num_layers
     if not layers or any(not 0 <= i < n for i in layers) or list(layers) != sorted(set(layers)):
         raise SpecDecodeError(
             f"layerskip layers must be distinct ascending block indices in 0..{n - 1}, "
@@ -118,12 +120,12 @@ def check_layers(model: Any, layers: Sequence[int]) -> None:
         )
 
 
-def default_budget(model: Any) -> int:
+def default_budget(model: LlamaModel) -> int:
     """Blocks the draft keeps by default: DEFAULT_KEEP_FRACTION of them, at least one."""
     return max(1, round(DEFAULT_KEEP_FRACTION * model.cfg.num_layers))
 
 
-def calibration_ids(tokenizer: Any, chat: Sequence[tuple[str, str]]) -> list[int]:
+def calibration_ids(tokenizer: Tokenizer, chat: Sequence[tuple[str, str]]) -> list[int]:
     """The calibration text as token ids: one chat of the exchanges (plain text if no template)."""
     if tokenizer.chat_template is not None:
         messages = []
@@ -135,7 +137,7 @@ def calibration_ids(tokenizer: Any, chat: Sequence[tuple[str, str]]) -> list[int
 
 
 def agreement(
-    model: Any, ids: torch.Tensor, layers: Sequence[int], reference: torch.Tensor
+    model: LlamaModel, ids: torch.Tensor, layers: Sequence[int], reference: torch.Tensor
 ) -> float:
     """Share of positions where the argmax of `layers` alone equals `reference` (teacher forced).
 
@@ -147,7 +149,7 @@ def agreement(
 
 
 def search_layers(
-    model: Any, ids: torch.Tensor, budget_layers: int, shortlist: int = 3
+    model: LlamaModel, ids: torch.Tensor, budget_layers: int, shortlist: int = 3
 ) -> tuple[list[int], float, int]:
     """Greedy backward elimination: (kept layers, their agreement, forward passes run).
 
@@ -175,8 +177,8 @@ def search_layers(
 
 
 def calibrate_layers(
-    model: Any,
-    tokenizer: Any,
+    target: Target,
+    tokenizer: Tokenizer,
     budget_layers: int,
     chat: Sequence[tuple[str, str]] = CALIBRATION_CHAT,
     shortlist: int = 3,
@@ -185,7 +187,7 @@ def calibrate_layers(
 
     Cost: about num_layers + shortlist * (blocks dropped) teacher-forced passes over `chat`.
     """
-    require_native(model, "layerskip")
+    model = native(target, "layerskip")
     if not 1 <= budget_layers <= model.cfg.num_layers:
         raise SpecDecodeError(
             f"layerskip budget must be 1..{model.cfg.num_layers} layers, got {budget_layers}"
@@ -197,7 +199,7 @@ def calibrate_layers(
     return Calibration(tuple(kept), score, ids.shape[1], evaluations, seconds)
 
 
-def model_digest(model: Any) -> str:
+def model_digest(model: LlamaModel) -> str:
     """A digest of the model's config and weights (an evenly spaced sample of every tensor)."""
     h = hashlib.sha256(json.dumps(model.cfg.to_dict(), sort_keys=True, default=str).encode())
     for name, t in sorted(model.state_dict().items()):
@@ -212,7 +214,7 @@ def model_digest(model: Any) -> str:
 
 
 def calibration_path(
-    model: Any, budget_layers: int, chat: Sequence[tuple[str, str]] = CALIBRATION_CHAT
+    model: LlamaModel, budget_layers: int, chat: Sequence[tuple[str, str]] = CALIBRATION_CHAT
 ) -> Path:
     """Where the calibration of `model` at `budget_layers` on `chat` is stored."""
     text = hashlib.sha256(json.dumps(list(chat)).encode()).hexdigest()[:8]
@@ -221,8 +223,8 @@ def calibration_path(
 
 
 def cached_calibration(
-    model: Any,
-    tokenizer: Any | None,
+    target: Target,
+    tokenizer: Tokenizer | None,
     budget_layers: int,
     chat: Sequence[tuple[str, str]] = CALIBRATION_CHAT,
 ) -> Calibration:
@@ -230,6 +232,7 @@ def cached_calibration(
 
     Calibrating needs `tokenizer`; reading a stored one does not.
     """
+    model = native(target, "layerskip")
     path = calibration_path(model, budget_layers, chat)
     if path.exists():
         try:

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from specdecode.drafters.base import DrafterFactory, require_native
+from specdecode.drafters.base import DrafterFactory, native
 from specdecode.drafters.options import (
     DRAFTERS,
     DrafterOptions,
@@ -23,6 +23,9 @@ from specdecode.drafters.options import (
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import SUFFIX_ISOLATION, SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
+from specdecode.models.llamacpp import llamacpp_target
+from specdecode.models.target import Target
+from specdecode.models.tokenizer import Tokenizer
 
 __all__ = ["DRAFTERS", "DrafterFactory", "DrafterOptions", "drafter_factory"]
 
@@ -57,7 +60,7 @@ def check_batch_invariant(precision: str) -> None:
             "--drafter int8, the int8 copy of the target, as the draft), or --drafter none")
 
 
-def check_measured_invariance(target: Any) -> None:
+def check_measured_invariance(target: Target) -> None:
     """Refuse speculation on a target whose invariance check (models.invariance) saw a
     position's logits move with the batch shape, unless the environment sets
     SPECDECODE_ALLOW_INEXACT=1 (then a warning: the output distribution is still the target's
@@ -73,7 +76,7 @@ def check_measured_invariance(target: Any) -> None:
     if measured is None or measured.exact:
         return
     message = (f"speculative decoding needs a batch-invariant target, and this "
-               f"{target.backend} {getattr(target, 'precision', '')} target is not "
+               f"{target.backend} {target.precision} target is not "
                f"({measured.describe()}): {why_inexact(target)}. The output could not be "
                "token-identical to its plain decoding; set SPECDECODE_ALLOW_INEXACT=1 to "
                "speculate anyway")
@@ -83,8 +86,8 @@ def check_measured_invariance(target: Any) -> None:
     raise SpecDecodeError(message)
 
 
-def drafter_factory(options: DrafterOptions | str, target: Any, *, capacity: int = 4096,
-                    tokenizer: Any | None = None) -> DrafterFactory | None:
+def drafter_factory(options: DrafterOptions | str, target: Target, *, capacity: int = 4096,
+                    tokenizer: Tokenizer | None = None) -> DrafterFactory | None:
     """A maker of per-request drafters for `target` (a runner) as `options` say (a bare name:
     that drafter with its defaults); None for "none". The options are checked first
     (DrafterOptions.check: an option the drafter does not read is an error naming it).
@@ -105,7 +108,7 @@ def drafter_factory(options: DrafterOptions | str, target: Any, *, capacity: int
     return _factory(opts, target, capacity, tokenizer)
 
 
-def _factory(opts: DrafterOptions, target: Any, capacity: int, tokenizer: Any | None
+def _factory(opts: DrafterOptions, target: Target, capacity: int, tokenizer: Tokenizer | None
              ) -> DrafterFactory | None:
     name = opts.name
     part = model_part(name)
@@ -125,7 +128,7 @@ def _factory(opts: DrafterOptions, target: Any, capacity: int, tokenizer: Any | 
         make = _factory(dataclasses.replace(opts, name=base), target, capacity, tokenizer)
         assert make is not None
         return DrafterFactory(lambda: with_siblings(make(), name))
-    check_batch_invariant(getattr(target, "precision", "fp32"))
+    check_batch_invariant(target.precision)
     check_measured_invariance(target)
     ngram_max = opts.ngram_max if opts.ngram_max is not None else NGRAM_MAX
     ngram_min = opts.ngram_min if opts.ngram_min is not None else 1
@@ -194,7 +197,7 @@ def _tree_lookup(opts: DrafterOptions, ngram_max: int, ngram_min: int) -> Drafte
                                                     min_match=ngram_min, stats=stats))
 
 
-def _layerskip(target: Any, layers: Sequence[int] | None, tokenizer: Any | None,
+def _layerskip(target: Target, layers: Sequence[int] | None, tokenizer: Tokenizer | None,
                capacity: int) -> DrafterFactory:
     from specdecode.drafters.layerskip import (
         LayerSkipDrafter,
@@ -203,66 +206,67 @@ def _layerskip(target: Any, layers: Sequence[int] | None, tokenizer: Any | None,
         default_budget,
     )
 
-    require_native(target, "layerskip")
+    model = native(target, "layerskip")
     kept = tuple(layers) if layers is not None else cached_calibration(
-        target, tokenizer, default_budget(target)
+        model, tokenizer, default_budget(model)
     ).layers
-    check_layers(target, kept)
-    return DrafterFactory(lambda: LayerSkipDrafter(target, kept, capacity))
+    check_layers(model, kept)
+    return DrafterFactory(lambda: LayerSkipDrafter(model, kept, capacity))
 
 
-def _heads(target: Any, heads: str | None, capacity: int) -> DrafterFactory:
+def _heads(target: Target, heads: str | None, capacity: int) -> DrafterFactory:
     from pathlib import Path
 
     from specdecode.drafters.heads import HeadsDrafter, default_heads_dir, load_heads
 
-    require_native(target, "heads")
-    model = load_heads(target, Path(heads).expanduser() if heads else default_heads_dir())
+    folder = Path(heads).expanduser() if heads else default_heads_dir()
+    model = load_heads(native(target, "heads"), folder)
     return DrafterFactory(lambda: HeadsDrafter(model, capacity))
 
 
-def _distilled(target: Any, distilled: str | None, capacity: int) -> DrafterFactory:
+def _distilled(target: Target, distilled: str | None, capacity: int) -> DrafterFactory:
     from pathlib import Path
 
     from specdecode.drafters.distilled import DEFAULT_DIR, load_distilled
     from specdecode.drafters.draft_model import DraftModelDrafter
 
     folder = Path(distilled).expanduser() if distilled else DEFAULT_DIR
-    if getattr(target, "backend", "") == "llama.cpp":  # exported to GGUF once, then cached
+    gguf_target = llamacpp_target(target)
+    if gguf_target is not None:  # exported to GGUF once, then cached
         from specdecode.drafters.distilled_gguf import llamacpp_distilled_factory
 
-        return DrafterFactory(llamacpp_distilled_factory(target, folder, capacity))
+        return DrafterFactory(llamacpp_distilled_factory(gguf_target, folder, capacity))
     draft = load_distilled(folder, target)
     return DrafterFactory(lambda: DraftModelDrafter(draft, "distilled", capacity))
 
 
-def _quantized_copy(name: str, target: Any, capacity: int) -> DrafterFactory:
+def _quantized_copy(name: str, target: Target, capacity: int) -> DrafterFactory:
     """A quantized copy of the target (int8, or w4a16: 4-bit blocks, bf16 ends; the target's
     norms shared, unchanged), drafting in the target's cache."""
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.models.precision import apply_precision, quantize_int8
 
-    require_native(target, name)
+    model = native(target, name)
     if name == "int8":
-        weights = quantize_int8(copy.deepcopy(target))
+        weights = quantize_int8(copy.deepcopy(model))
     else:
-        weights = apply_precision(target, "w4a16")
+        weights = apply_precision(model, "w4a16")
     return DrafterFactory(lambda: DraftModelDrafter(weights, name, capacity, in_cache=True))
 
 
-def _draft_model(target: Any, draft_model: str, capacity: int) -> DrafterFactory:
+def _draft_model(target: Target, draft_model: str, capacity: int) -> DrafterFactory:
     from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
     from specdecode.models.loading import load_model
 
-    on_llamacpp = getattr(target, "backend", "") == "llama.cpp"  # a GGUF draft there too
-    if on_llamacpp and draft_model.endswith(".gguf"):
+    gguf_target = llamacpp_target(target)  # on llama.cpp, a GGUF draft runs there too
+    if gguf_target is not None and draft_model.endswith(".gguf"):
         from pathlib import Path
 
         from specdecode.drafters.distilled_gguf import load_gguf_draft, sidecar_path
 
         if sidecar_path(Path(draft_model).expanduser()).is_file():  # a subset-head export
-            sub = load_gguf_draft(Path(draft_model).expanduser(), target)
+            sub = load_gguf_draft(Path(draft_model).expanduser(), gguf_target)
             return DrafterFactory(lambda: DraftModelDrafter(sub, "draft-model", capacity))
-    draft = load_model(draft_model, backend="llama.cpp" if on_llamacpp else "auto").model
+    draft = load_model(draft_model, backend=target.backend if gguf_target else "auto").model
     check_vocab(target, draft, draft_model)
     return DrafterFactory(lambda: DraftModelDrafter(draft, "draft-model", capacity))

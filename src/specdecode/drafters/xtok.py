@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -216,7 +215,7 @@ def xtok_factory(
 
     if target_tok is None:
         raise SpecDecodeError("--drafter xtok needs the target's tokenizer")
-    loaded: Any = load_model(draft_path)
+    loaded = load_model(draft_path)
     draft, draft_tok = loaded.model, loaded.tokenizer
     incremental = splits_at_spaces(draft_tok)
 

@@ -10,10 +10,14 @@ accepting a path of a token tree is one compaction copy (`keep`).
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:
+    from specdecode.models.target import Cache
 
 
 def check_room(lengths: list[int], capacity: int, new_tokens: int,
@@ -29,6 +33,12 @@ def check_room(lengths: list[int], capacity: int, new_tokens: int,
 
 
 class KVCache:
+    """The native runner's cache (the models.target.Cache protocol): keys and values as
+    tensors, which a drafter's model can draft in."""
+
+    copies_rows = True
+    holds_tensors = True
+
     def __init__(
         self,
         num_layers: int,
@@ -77,8 +87,10 @@ class KVCache:
     def reset_row(self, row: int) -> None:
         self.lengths[row] = 0
 
-    def copy_row(self, dst: int, src_cache: KVCache, src: int, n: int) -> None:
+    def copy_row(self, dst: int, src_cache: Cache, src: int, n: int) -> None:
         """Make row `dst` hold the first `n` positions of `src_cache`'s row `src`."""
+        if not isinstance(src_cache, KVCache):
+            raise SpecDecodeError("a native cache copies rows of another native cache only")
         self.k[:, dst, :, :n] = src_cache.k[:, src, :, :n]
         self.v[:, dst, :, :n] = src_cache.v[:, src, :, :n]
         self.lengths[dst] = n
@@ -95,14 +107,3 @@ class KVCache:
         out.lengths = self.lengths[first:first + n]
         return out
 
-
-def copies_rows(cache: object) -> bool:
-    """Whether `cache` takes rows of another cache of its kind (`copy_row`): the native KVCache
-    and the llama.cpp backend's do, the transformers adapter's (one row) does not."""
-    return callable(getattr(cache, "copy_row", None))
-
-
-def holds_tensors(cache: object) -> bool:
-    """Whether `cache` is the native KVCache, whose rows a drafter's model can draft in
-    (drafters.base.Drafter.rounds)."""
-    return isinstance(cache, KVCache)

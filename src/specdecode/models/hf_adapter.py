@@ -4,9 +4,10 @@ itself as backend "transformers" so every figure says which path produced it."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,9 +15,16 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
 
+if TYPE_CHECKING:
+    from specdecode.models.invariance import Invariance
+    from specdecode.models.target import Cache
+
 
 class AdapterCache:
-    """A transformers DynamicCache with the KVCache interface (one row; rollback = crop)."""
+    """A transformers DynamicCache as a models.target.Cache (one row; rollback = crop)."""
+
+    copies_rows = True  # its one row: a prefilled prompt is copied, a batch-1 engine adopts it
+    holds_tensors = False  # transformers' own layout: no drafter drafts in it
 
     def __init__(self, capacity: int) -> None:
         from transformers import DynamicCache
@@ -65,6 +73,33 @@ class AdapterCache:
     def reset_row(self, row: int) -> None:
         self.rollback(0, 0)
 
+    def copy_row(self, dst: int, src_cache: Cache, src: int, n: int) -> None:
+        """Hold the first `n` positions of another adapter cache's row (a copy of its states)."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        if not isinstance(src_cache, AdapterCache) or dst != 0 or src != 0:
+            raise SpecDecodeError("the transformers backend copies its one row only")
+        self.hf = DynamicCache()
+        for i, layer in enumerate(src_cache.hf.layers):
+            if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+                raise SpecDecodeError("the transformers backend copies plain attention caches "
+                                      "only")
+            self.hf.update(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone(), i)
+        self.lengths[0] = n
+
+    def move_row(self, src: int, dst: int) -> None:
+        if src != dst:
+            raise SpecDecodeError("the transformers backend runs batch 1 only")
+
+    def view(self, first: int, n: int) -> AdapterCache:
+        """The one row (first 0, n 1) sharing its states, with a copy of its length."""
+        if (first, n) != (0, 1):
+            raise SpecDecodeError("the transformers backend runs batch 1 only")
+        out = copy.copy(self)
+        out.lengths = list(self.lengths)
+        return out
+
 
 def _adapter_config(hf_config: Any) -> ModelConfig:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -88,7 +123,13 @@ def _adapter_config(hf_config: Any) -> ModelConfig:
 
 
 class TransformersModel(nn.Module):
+    """A transformers causal LM as a models.target.Target (fp32, batch 1, chains only)."""
+
     backend = "transformers"
+    precision = "fp32"  # loaded in float32 (load_transformers)
+    supports_trees = False
+    rows_independent = True  # one row per forward
+    invariance: Invariance | None = None
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
@@ -98,6 +139,17 @@ class TransformersModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.hf.parameters()).dtype
+
+    def weight_bytes(self) -> int:
+        from specdecode.memory import weight_bytes
+
+        return weight_bytes(self)
+
+    def version(self) -> str:
+        return f"torch {torch.__version__}"
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise SpecDecodeError("hidden states need the native runner (--backend native)")
 
     def new_cache(self, batch: int, capacity: int) -> AdapterCache:
         if batch != 1:

