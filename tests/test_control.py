@@ -278,3 +278,31 @@ def test_estimates_follow_the_measured_curve_of_the_nearest_covering_batch() -> 
     assert costs.target(8, 1) == pytest.approx(0.08)
     costs.observe_target(4, 2, 0.06)
     assert costs.target(4, 4) == pytest.approx(0.10)  # slope of the last segment, 0.02
+
+
+def test_the_per_step_overhead_is_learned_and_counted_against_speculation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fast target: 8 ms forwards, cheap verification (v(4) = 1.2), but a speculative step
+    pays 4 ms more outside its forward (a lookup's proposing, choosing, verification) than a
+    plain step. At alpha 0.3 the forward-only model expects a gain; with the measured overhead
+    it does not, and the controller stays plain. Broken variant: CostModel.step without the
+    overhead speculates."""
+    def controller() -> Controller:
+        costs = CostModel(draft_token_s=0.0002, smoothing=1.0)
+        for width in range(1, 6):
+            costs.target_s[(1, width)] = 0.008 * (1 + 0.05 * (width - 1))
+        ctl = Controller(kmax=4, costs=costs, guard=None)
+        ctl.learn(StepObservation(batch=1, width=1, proposed=False, committed=1,
+                                  draft_tokens=0, draft_s=0.0, target_s=0.008, step_s=0.009))
+        ctl.learn(StepObservation(batch=1, width=4, proposed=True, committed=2, draft_tokens=0,
+                                  draft_s=0.003, target_s=0.0096, step_s=0.0146))
+        return ctl
+
+    ctl = controller()
+    assert ctl.costs.overhead(1, False) == pytest.approx(0.001)
+    assert ctl.costs.overhead(1, True) == pytest.approx(0.005)  # the lookup's proposing included
+    assert ctl.costs.step(1, 4, True) == pytest.approx(ctl.costs.target(1, 4) + 0.005)
+    assert ctl.choose([AlphaEstimate(0.3)]) == [0]
+    assert ctl.choose([AlphaEstimate(0.95)])[0] > 0  # high acceptance still pays
+    monkeypatch.setattr(CostModel, "step", lambda self, b, w, s: self.target(b, w))
+    assert controller().choose([AlphaEstimate(0.3)])[0] > 0

@@ -14,20 +14,22 @@ It maximises the expected tokens per second of the whole batch from three measur
   runs, timed from the forward to the end of every row's verification and commit (per-row work that
   grows with B and T, and that a forward-only table leaves out).
 
-With a common verification width T = K + 1 for the batch, request i drafting k_i <= K tokens
-emits E(k_i) = (1 - alpha_i^(k_i+1)) / (1 - alpha_i) tokens in expectation (Leviathan et al. 2023),
-so the batch rate is sum_i E(k_i) / (draft_s * sum_i k_i + t(B, K + 1)). For each K the controller
-picks each k_i by its marginal value against the current best rate, then keeps the best K. K = 0 is
-plain decoding, chosen whenever nothing else is expected to beat it by PAY_MARGIN: at low alpha,
-or when the batch is large enough that scoring more positions is no longer nearly free. A
-request whose speculation is off drafts one token every `probe_every` steps (all such requests in
+With a common verification width T = K + 1 for the batch, request i drafting k_i <= K tokens emits
+E(k_i) = (1 - alpha_i^(k_i+1)) / (1 - alpha_i) tokens in expectation (Leviathan et al. 2023), so
+the batch rate is sum_i E(k_i) / (draft_s * sum_i k_i + t(B, K + 1) + o_s(B)), against plain
+decoding's B / (t(B, 1) + o_p(B)), where o_s and o_p are the measured seconds of a speculative and
+a plain step outside the forward and the model's drafting (CostModel.overhead). For each K the
+controller picks each k_i by its marginal value against the current best rate, then keeps the best
+K. K = 0 is plain decoding, chosen whenever nothing else is expected to beat it by PAY_MARGIN: at
+low alpha, or when the batch is large enough that scoring more positions is no longer nearly free.
+A request whose speculation is off drafts one token every `probe_every` steps (all such requests in
 the same step, so a probe widens one batch step, not many) so its alpha keeps being measured and
-speculation comes back when it pays again. Probes cost something (a wider step, and a draft
-model catching up with the tokens committed meanwhile), so they back off: each probe after
-which speculation stays off doubles the interval (up to `max_probe_every`), unless its drafts
-were accepted well above the requests' estimates (they are still learning: the interval stays),
-and none is made while even a draft accepted with probability `PROBE_ALPHA` could not pay at
-this batch size.
+speculation comes back when it pays again. Probes cost something (a wider step, and a draft model
+catching up with the tokens committed meanwhile), so they back off: each probe after which
+speculation stays off doubles the interval (up to `max_probe_every`), unless its drafts were
+accepted well above the requests' estimates (they are still learning: the interval stays), and none
+is made while even a draft accepted with probability `PROBE_ALPHA` could not pay at this batch
+size.
 The drafting cost counts draft steps only: a draft model's catching up with the context (its
 prompt, or the tokens committed while it was off) is a one-off cost of turning speculation on,
 not a cost per token, and is left out of `draft_token_s`.
@@ -110,6 +112,30 @@ class CostModel:
     draft_token_s: float | None = None  # over every batch size
     smoothing: float = 0.2
     draft_batch_s: dict[int, float] = field(default_factory=dict)  # per batch size
+    # per (batch size, speculative): seconds of a step outside the forward, the verification
+    # and the model drafter's tokens: choosing, a lookup's proposing, bookkeeping, sampling.
+    # On a fast target this is a sizeable share of a step (a step of 8 ms pays ~1 ms of it), and
+    # leaving it out overrates speculation: the speculative step pays more of it than the plain
+    overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
+
+    def overhead(self, batch: int, speculative: bool) -> float:
+        """Per-step seconds outside the forward and the model's drafting (0 until measured;
+        a speculative step not yet measured takes the plain one's)."""
+        own = self.overhead_s.get((batch, speculative))
+        if own is not None:
+            return own
+        return self.overhead_s.get((batch, False), 0.0)
+
+    def step(self, batch: int, width: int, speculative: bool) -> float:
+        """Seconds of a whole step but its model drafting: t(B, T) plus the step's overhead."""
+        return self.target(batch, width) + self.overhead(batch, speculative)
+
+    def observe_overhead(self, batch: int, speculative: bool, seconds: float) -> None:
+        key = (batch, speculative)
+        old = self.overhead_s.get(key)
+        seconds = max(0.0, seconds)
+        self.overhead_s[key] = seconds if old is None else (
+            (1 - self.smoothing) * old + self.smoothing * seconds)
 
     def draft(self, batch: int) -> float | None:
         """Seconds per draft token at this batch size (where measured, else overall)."""
@@ -254,7 +280,7 @@ class PayGuard:
         sums = self.plain.get(batch)
         if sums is not None and sums[2] >= self.min_plain:
             return sums[0] / sums[1]
-        return batch / costs.target(batch, 1) if costs.target_s else None
+        return batch / costs.step(batch, 1, False) if costs.target_s else None
 
     def observe(self, batch: int, speculative: bool, tokens: int, seconds: float, step: int,
                 costs: CostModel) -> None:
@@ -337,6 +363,9 @@ class Controller:
         if step.draft_tokens:
             self.costs.observe_draft(step.draft_tokens, step.draft_s, step.batch)
         self.costs.observe_target(step.batch, step.width, step.target_s)
+        model_draft = step.draft_s if step.draft_tokens else 0.0  # a lookup's is overhead
+        self.costs.observe_overhead(step.batch, step.proposed,
+                                    step.step_s - step.target_s - model_draft)
         self.observe_step(step.batch, step.proposed, step.committed, step.step_s)
 
     def observe_step(self, batch: int, proposed: bool, tokens: int, seconds: float) -> None:
@@ -429,14 +458,14 @@ class Controller:
     def _best(self, alphas: list[float], draft_s: float) -> list[int]:
         """The k per request maximising the batch's expected tokens per second."""
         batch = len(alphas)
-        plain_rate = batch / self.costs.target(batch, 1)
+        plain_rate = batch / self.costs.step(batch, 1, False)
         best_rate, best = plain_rate, [0] * batch
         for width_k in range(1, self.max_width(batch)):
             ks = [_best_k(a, width_k, best_rate * draft_s) for a in alphas]
             if max(ks) == 0:
                 continue
             emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
-            rate = emitted / (draft_s * sum(ks) + self.costs.target(batch, max(ks) + 1))
+            rate = emitted / (draft_s * sum(ks) + self.costs.step(batch, max(ks) + 1, True))
             if rate > best_rate:
                 best_rate, best = rate, ks
         return best if best_rate > plain_rate * (1 + PAY_MARGIN) else [0] * batch

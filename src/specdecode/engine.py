@@ -703,7 +703,7 @@ def fit_width(drafts: list[Draft], costs: CostModel, max_width: int | None = Non
     kept = [len(d.tokens) for d in drafts if d.confidence is None]
     width = best_width([chain_confidences(d) if d.parents is not None else d.confidence
                         for d in drafts if d.confidence is not None],
-                       lambda t: costs.target(len(drafts), t),
+                       lambda t: costs.step(len(drafts), t, True),
                        floor=max(kept, default=0) + 1,
                        fixed_tokens=float(sum(k + 1 for k in kept)))
     return [d if d.confidence is None else shrink(d, width - 1) for d in drafts]
