@@ -32,6 +32,7 @@ from specdecode.integrations.vllm import (
     SuffixLookup,
     settings,
     suffix_mib,
+    token_budget,
 )
 from specdecode.integrations.vllm_server import CONFIGS, Launch, speculative_config
 
@@ -244,8 +245,9 @@ def test_drafts_that_do_not_pay_are_held_off(cls: type[NgramLookup],
     proposer = cls(config(k=2))
     # the cost table learns that wide steps are dear, so widths alone would also stop drafting:
     # keep the width choice blind (every draft whole), to test the hold-off on its own
-    monkeypatch.setattr(vllm_integration, "best_width",
-                        lambda confidences, cost: 1 + max(len(c) for c in confidences))
+    monkeypatch.setattr(vllm_integration, "token_budget",
+                        lambda confidences, rows, cost: {r: len(c) for r, c in
+                                                         confidences.items()})
     engine = Engine(proposer, step_s=lambda width: 0.01 if width == 1 else 0.04)
     engine.add(Request(repeating(40), repeating(900, start=10)[40 % 7 :][:800]))
     engine.run()
@@ -310,3 +312,30 @@ def test_the_recommended_lookup_config_is_an_ngram_config_vllm_takes() -> None:
 
     config = json.loads(recommended_lookup_config())
     assert config["method"] == "ngram" and config["num_speculative_tokens"] >= 1
+
+
+def common_width(confidences: dict[int, list[float]], rows: int,
+                 cost: object) -> dict[int, int]:
+    """Broken variant: one width for every row (this project's engine's rule, right where a
+    step costs its widest row times the rows, wrong for vLLM's flat batch)."""
+    from specdecode.control import best_width
+
+    width = best_width(list(confidences.values()), lambda t: cost(rows * t))  # type: ignore
+    return {r: min(width - 1, len(c)) for r, c in confidences.items() if width > 1}
+
+
+@pytest.mark.parametrize("budget", [token_budget, common_width])
+def test_each_row_keeps_the_tokens_that_pay_in_a_flat_batch(budget: object) -> None:
+    """A step costs 1 + 0.05 per token verified. A sure row's draft pays; an unlikely row's
+    does not, whatever the other row drafts."""
+    cost = lambda n: 1.0 + 0.05 * n  # noqa: E731
+    keep = budget({0: [0.95] * 4, 1: [0.1] * 4}, 2, cost)  # type: ignore[operator]
+    if budget is token_budget:
+        assert keep == {0: 4}
+    else:
+        assert keep.get(1, 0) > 0  # the common width drafts the unlikely row too
+
+
+def test_nothing_is_kept_where_nothing_pays() -> None:
+    assert token_budget({0: [0.2, 0.1], 1: [0.05]}, 2, lambda n: 1.0 + 0.5 * n) == {}
+    assert token_budget({}, 3, lambda n: 1.0 + n) == {}

@@ -33,15 +33,18 @@ target's argmax; sampled: its rejection sampler), so no proposal can change a gr
 - *No sampling parameters.* The lookups' acceptance rates by match length are kept as for
   greedy traffic and learned from every request's outcome, whatever its temperature.
 - *No costs.* The time between two `propose` calls is one engine step (forward, sampling and
-  this proposer). That is what the cost table t(B, T) and the hold-off are learned from.
+  this proposer). That is what the cost table t(N) and the hold-off are learned from.
 
 **The classes**:
 
 - `NgramLookup`: the confidence-driven n-gram lookup (drafters.ngram): per request the tokens
   that followed the longest earlier match, each with the learned acceptance rate of matches
-  that long; the verification width is the one whose expected tokens per second are best
-  (control.best_width over the measured t(B, T)), so a row drafts nothing where nothing is
-  likely enough to pay for its verification.
+  that long. vLLM verifies a step's rows as one flat sequence of tokens, so a step costs what
+  its tokens cost, t(N) for N tokens over all rows (not the widest row times the rows, as in
+  this project's engine): the tokens kept are the most likely to be accepted across all rows,
+  as many as maximise the expected tokens per second, (rows + sum of kept tokens' chances of
+  being reached and accepted) / t(N) (`token_budget`; t(N) learned from the time between two
+  calls). A row drafts nothing where nothing is likely enough to pay for its verification.
 - `SuffixLookup`: the same over the request's own tokens and a store of the server's earlier
   requests (drafters.suffix, chains only: vLLM verifies no trees).
 - Both hold drafts off where they do not pay (control.PayGuard): per batch size, the tokens per
@@ -60,14 +63,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from specdecode.control import CostModel, PayGuard, best_width
+from specdecode.control import PAY_MARGIN, CostModel, PayGuard
 from specdecode.drafters.base import Drafter, DraftRequest
 from specdecode.drafters.ngram import NgramDrafter, RegimeStats
 from specdecode.drafters.suffix import SuffixDrafter
@@ -108,7 +111,7 @@ class _Step:
     """What the last call proposed, to learn from when the next call ends the step."""
 
     rows: int  # rows decoding
-    width: int  # 1 + the longest draft sent
+    tokens: int  # tokens the step verifies: one per row and the drafts sent
     drafted: bool  # some row got a draft
     clean: bool  # no row was prefilling: the step's time is decoding's
     at: float  # perf_counter at the call
@@ -125,7 +128,8 @@ class LookupProposer:
     def __init__(self, vllm_config: Any) -> None:
         self.settings = settings(vllm_config)
         self.stats = RegimeStats()  # acceptance by match length, learned from all traffic
-        self.costs = CostModel()  # t(B, T): seconds of a step of B rows at width T
+        # t(N): seconds of a step verifying N tokens over all rows, kept as CostModel's t(1, N)
+        self.costs = CostModel()
         self.guard = PayGuard()
         self.step = 0
         self.rows: dict[int, Drafter] = {}
@@ -171,20 +175,17 @@ class LookupProposer:
                 torch.from_numpy(context.astype(np.int64)), k, GREEDY, prompt_len=0))
             if len(draft.tokens) and draft.confidence is not None:
                 drafts[row] = (draft.tokens.tolist(), draft.confidence)
-        width = 1
         if drafts and self.allows(len(contexts)):
-            batch = len(contexts)
-            width = best_width([c for _, c in drafts.values()],
-                               lambda t: self.costs.target(batch, t))
-            for row, (tokens, _conf) in drafts.items():
-                out[row] = tokens[: width - 1]
+            keep = token_budget({row: c for row, (_t, c) in drafts.items()}, len(contexts),
+                                lambda n: self.costs.target(1, n))
+            for row, n in keep.items():
+                out[row] = drafts[row][0][:n]
         elif drafts:
             self.held_steps += 1
         sent = sum(len(d) for d in out)
         self.drafting_steps += sent > 0
         self.draft_tokens += sent
-        width = 1 + max((len(d) for d in out), default=0)
-        self._last = _Step(len(contexts), width, sent > 0, clean, now)
+        self._last = _Step(len(contexts), len(contexts) + sent, sent > 0, clean, now)
         return out
 
     # -------------------------------------------------------------- internals
@@ -230,12 +231,42 @@ class LookupProposer:
         if not 0 < seconds < MAX_GAP_S or last.rows == 0:
             return
         tokens = sum(len(s) for s in sampled)
-        self.costs.observe_target(last.rows, last.width, seconds)
+        self.costs.observe_target(1, last.tokens, seconds)
         holds = self.guard.holds
         self.guard.observe(last.rows, last.drafted, tokens, seconds, self.step, self.costs)
         if self.guard.holds > holds:
             log.info("specdecode: drafts did not pay at batch %d: held off until step %d",
                      last.rows, self.guard.hold_until[last.rows])
+
+
+def token_budget(confidences: dict[int, Sequence[float]], rows: int,
+                 cost: Callable[[int], float], margin: float = PAY_MARGIN) -> dict[int, int]:
+    """How many draft tokens each row keeps when a step costs cost(N) for N tokens verified over
+    all rows (vLLM's flat batch). Token j of a row is reached and accepted with probability
+    prod_{i<=j} confidence[i] (its gain: the expected tokens it adds); a row's gains fall along
+    its draft, so taking tokens in order of gain keeps every row's a prefix. The kept set is the
+    prefix of that order maximising (rows + sum of gains) / cost(rows + tokens), provided it
+    beats drafting nothing by `margin`; else nothing is kept."""
+    order: list[tuple[float, int]] = []
+    for row, conf in confidences.items():
+        survive = 1.0
+        for c in conf:
+            survive *= c
+            order.append((survive, row))
+    order.sort(key=lambda x: -x[0])  # stable: a row's tokens keep their order on ties
+    plain = rows / cost(rows)
+    best_rate, best_n, emitted = plain, 0, float(rows)
+    for n, (gain, _row) in enumerate(order, start=1):
+        emitted += gain
+        rate = emitted / cost(rows + n)
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    if best_rate <= plain * (1 + margin):
+        return {}
+    keep: dict[int, int] = {}
+    for _gain, row in order[:best_n]:
+        keep[row] = keep.get(row, 0) + 1
+    return keep
 
 
 def _extends(context: np.ndarray, seen: list[int]) -> bool:
