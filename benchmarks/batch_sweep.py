@@ -53,7 +53,7 @@ from specdecode.control import Controller
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation
-from specdecode.memory import drafter_module, weight_bytes
+from specdecode.memory import weight_bytes
 from specdecode.models.loading import load_model
 from specdecode.sampling import SamplingParams
 
@@ -123,7 +123,7 @@ def run_cell(loaded: Any, templates: list[Generation], k: int | str,
                 last[id(gen)] = now
     wall = time.perf_counter() - start
     drafted = sum(g.counters.drafted for g in gens)
-    module = drafter_module(gens[0].drafter)
+    module = gens[0].drafter.weights() if gens[0].drafter is not None else None
     accepted = sum(g.counters.accepted for g in gens)
     return {"throughput": sum(len(g.output) for g in gens) / wall, "itl": itl,
             "full_throughput": full_tokens / full_s if full_s else 0.0,

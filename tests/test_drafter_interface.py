@@ -128,7 +128,33 @@ def test_a_drafter_must_implement_propose() -> None:
     defaults = Recorder()
     assert not defaults.fits_width and defaults.cache_model is None
     assert not defaults.wants_hidden and defaults.catch_up_ns == 0
+    # what the server and the reports use, declared with defaults: no probing of drafters
+    assert defaults.isolation_key is None and defaults.weights() is None
+    assert defaults.kv_bytes() == 0 and defaults.discard() is None
     rounds = defaults.rounds(DraftRequest(torch.tensor([4, 5]), 2, SamplingParams(), 2))
     with pytest.raises(StopIteration) as done:  # the default rounds: the proposal at once
         next(rounds)
     assert done.value.value.tokens.tolist() == [5, 5]
+
+
+def test_a_hybrid_forwards_what_the_server_sets_and_asks() -> None:
+    """The server sets a drafter's isolation scope and may discard its request; a hybrid
+    passes both to its parts (its lookup holds any store), and reports its model part's
+    memory."""
+    from specdecode.drafters.hybrid import HybridDrafter
+
+    class Part(Recorder):
+        discarded = False
+
+        def discard(self) -> None:
+            self.discarded = True
+
+        def kv_bytes(self) -> int:
+            return 7
+
+    lookup, model = Part(), Part()
+    hybrid = HybridDrafter(lookup, model, "ngram+part")
+    hybrid.isolation_key = "scope"
+    assert lookup.isolation_key == "scope" == hybrid.isolation_key
+    hybrid.discard()
+    assert lookup.discarded and model.discarded and hybrid.kv_bytes() == 7

@@ -1,13 +1,16 @@
 """Memory accounting shared by the benchmark report and the server's /metrics: weight bytes
-of a module (packed weights included, shared tensors counted once), the module a drafter runs,
-and this process's peak resident memory."""
+of a module (packed weights included, shared tensors counted once; a drafter's through
+Drafter.weights) and this process's peak resident memory."""
 
 from __future__ import annotations
 
 import resource
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specdecode.models.target import Target
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -24,7 +27,8 @@ def _pointer(t: torch.Tensor) -> int:
     return id(t) if t.is_quantized else t.data_ptr()  # unpacked copies: one each
 
 
-def weight_bytes(module: Any, shared: Any = None) -> int:
+def weight_bytes(module: torch.nn.Module | Target, shared: torch.nn.Module | Target | None = None
+                 ) -> int:
     """Bytes of a module's distinct weights, leaving out what it shares with `shared` (e.g. a
     drafter's model that reuses the target's tensors or blocks).
 
@@ -48,17 +52,6 @@ def weight_bytes(module: Any, shared: Any = None) -> int:
         if id(sub) not in skip and isinstance(packed, int) and not isinstance(packed, bool):
             total += packed
     return total
-
-
-def drafter_module(drafter: Any) -> Any:
-    """The model a drafter runs (`.model`, or `.model.model` for a wrapper), if any: a torch
-    module, or a llama.cpp model (which counts its own weights)."""
-    obj = getattr(drafter, "model", None)
-    for _ in range(3):
-        if isinstance(obj, torch.nn.Module) or getattr(obj, "backend", "") == "llama.cpp":
-            return obj
-        obj = getattr(obj, "model", None)
-    return None
 
 
 def peak_rss_bytes() -> int:

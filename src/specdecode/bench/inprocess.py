@@ -54,13 +54,15 @@ from specdecode.bench.runner import RunnerDescription, effective_temperature, re
 from specdecode.bench.workloads import Prompt
 from specdecode.control import Controller
 from specdecode.counters import Counters
+from specdecode.drafters.base import Drafter
 from specdecode.drafters.options import model_part
 from specdecode.drafters.registry import DrafterFactory, drafter_factory
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
-from specdecode.memory import drafter_module, peak_rss_bytes, weight_bytes
+from specdecode.memory import peak_rss_bytes, weight_bytes
 from specdecode.models.llamacpp import LlamaCppModel, llamacpp_target
 from specdecode.models.loading import LoadedModel, file_digest
+from specdecode.models.target import Cache, Target
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 from specdecode.version import __version__
@@ -124,14 +126,13 @@ class Finished:
     valid: bool | None = None  # the output satisfies its constraint (None: no constraint)
 
 
-def kv_bytes(cache: object) -> int:
+def kv_bytes(cache: Cache | None) -> int:
     """`cache.nbytes()`, or 0 for no cache."""
-    nbytes = getattr(cache, "nbytes", None)
-    return int(nbytes()) if callable(nbytes) else 0
+    return 0 if cache is None else cache.nbytes()
 
 
 def generate_one(
-    model: Any, tokenizer: Tokenizer, request: TurnRequest, drafter: Any, k: int,
+    model: Target, tokenizer: Tokenizer, request: TurnRequest, drafter: Drafter | None, k: int,
     eos_ids: tuple[int, ...],
 ) -> Finished:
     """Run one request alone (`Generation.step`, its own cache), timing every emission."""
@@ -143,7 +144,8 @@ def generate_one(
         trace.observe(out, time.perf_counter())
     if trace.done is None:
         trace.done = time.perf_counter()
-    target_kv, draft_kv = kv_bytes(gen.cache), kv_bytes(getattr(drafter, "cache", None))
+    target_kv = kv_bytes(gen.cache)
+    draft_kv = drafter.kv_bytes() if drafter is not None else 0
     gen.release()
     return Finished(list(gen.output), trace, gen.counters, gen.counters.rejections, target_kv,
                     draft_kv, constraint_valid(gen))
@@ -155,7 +157,8 @@ def constraint_valid(gen: Generation) -> bool | None:
 
 
 def generate_batch(
-    model: Any, tokenizer: Tokenizer, requests: Sequence[TurnRequest], drafters: Sequence[Any],
+    model: Target, tokenizer: Tokenizer, requests: Sequence[TurnRequest],
+    drafters: Sequence[Drafter | None],
     k: int, eos_ids: tuple[int, ...], controller: Controller | None = None,
 ) -> list[Finished]:
     """Run requests together on a `BatchEngine` with one cache row each, timing every emission.
@@ -175,7 +178,8 @@ def generate_batch(
         batch.submit(gen)
     while batch.busy:
         for gen, drafter in zip(gens, drafters, strict=True):  # read before a finish frees it
-            draft_kv[id(gen)] = max(draft_kv[id(gen)], kv_bytes(getattr(drafter, "cache", None)))
+            if drafter is not None:
+                draft_kv[id(gen)] = max(draft_kv[id(gen)], drafter.kv_bytes())
         outputs = batch.step()
         now = time.perf_counter()
         for gen, out in outputs:
@@ -527,7 +531,7 @@ class InProcessRunner:
         factory = self.factory(config)
         if factory is not None:
             store = factory.store.nbytes() if factory.store is not None else 0
-            module = drafter_module(factory())
+            module = factory().weights()
             if module is not None:
                 draft = weight_bytes(module, shared=target)
         target_kv, draft_kv = self._kv[config.key]

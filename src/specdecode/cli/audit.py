@@ -81,7 +81,9 @@ def add_endpoint_args(a: argparse.ArgumentParser) -> None:
 
 def _audit_drafter(args: argparse.Namespace, options: DrafterOptions, loaded: Any) -> Any:
     """The per-request drafter maker the audit runs, with --inject-fault applied if asked."""
+    from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.drafters.faults import FaultyDrafter
+    from specdecode.drafters.layerskip import LayerSkipDrafter
     from specdecode.drafters.registry import drafter_factory
 
     factory = drafter_factory(options, loaded.model, tokenizer=loaded.tokenizer)
@@ -89,9 +91,10 @@ def _audit_drafter(args: argparse.Namespace, options: DrafterOptions, loaded: An
         raise SpecDecodeError("the audit needs a drafter (--drafter int8, ngram, ...)")
     if args.inject_fault is None:
         return factory
-    draft_model = getattr(factory(), "model", None)
-    if draft_model is None or not hasattr(draft_model, "cfg") or args.drafter == "layerskip":
+    drafter = factory()  # the faults draw from a draft model of its own, in its own cache
+    if not isinstance(drafter, DraftModelDrafter) or isinstance(drafter, LayerSkipDrafter):
         raise SpecDecodeError(f"--inject-fault needs a model-based drafter, not {args.drafter}")
+    draft_model = drafter.model
     other = loaded.model if args.inject_fault == "q-from-other-model" else None
     return lambda: FaultyDrafter(draft_model, args.inject_fault, other)
 

@@ -19,7 +19,7 @@ import array
 import dataclasses
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -35,7 +35,6 @@ from specdecode.sampling import (
 
 if TYPE_CHECKING:
     from specdecode.constraints import Matcher
-    from specdecode.models.config import ModelConfig
     from specdecode.models.llama import LlamaModel
     from specdecode.models.target import Cache, Target
     from specdecode.suffix import SuffixStore
@@ -123,16 +122,6 @@ class CacheModel(Protocol):
         ...
 
 
-class DraftModel(CacheModel, Protocol):
-    """A model a drafter drafts with in a cache of its own (drafters.draft_model): any Target
-    (the draft's own checkpoint, a quantized copy), or a subset of one's blocks."""
-
-    @property
-    def cfg(self) -> ModelConfig: ...
-
-    def new_cache(self, batch: int, capacity: int) -> Cache: ...
-
-
 class Drafter(abc.ABC):
     """Base class of every drafter. The engine calls, per step of its request:
 
@@ -140,9 +129,13 @@ class Drafter(abc.ABC):
        `rounds(request)`, run by engine.draft_in_cache), then reads `catch_up_ns`;
     2. after verification, `observe(hidden, start)` if `wants_hidden`, then
        `observe_result(draft, num_accepted, committed)`;
-    3. `reset()` when the request ends.
+    3. `reset()` when the request ends (after `discard()` when it ended unfinished: the server
+       cancelled it or a step failed).
 
-    The class attributes below are the capabilities, with the defaults of a plain drafter.
+    The server sets `isolation_key` before the first step; memory reports read `weights()` and
+    `kv_bytes()`. The class attributes below are the capabilities, with the defaults of a plain
+    drafter; everything the engine, the server and the reports use is declared here, so none of
+    them asks a drafter what it has.
     """
 
     name: str = "drafter"
@@ -163,9 +156,11 @@ class Drafter(abc.ABC):
     # Token trees: the most nodes this drafter's tree drafts have (Draft.parents); 0: it drafts
     # chains. The engine reserves cache room for them and refuses larger or malformed trees.
     max_nodes: int = 0
-    # What memory accounting reads: the drafter's own KV cache and the model it runs (None: none).
-    cache: Any = None
-    model: Any = None
+    # Whose earlier requests' text the drafter may draft from and stores its request under
+    # (server.isolation; None: the shared scope), set by the server before the first step.
+    # Read by drafters with a store of earlier requests (suffix); the others have nothing to
+    # isolate.
+    isolation_key: str | None = None
 
     @abc.abstractmethod
     def propose(self, request: DraftRequest) -> Draft:
@@ -175,6 +170,21 @@ class Drafter(abc.ABC):
     def reset(self) -> None:
         """Forget the request: free caches, clear state."""
         return  # a default: nothing to do
+
+    def discard(self) -> None:
+        """The request ended unfinished (cancelled, or a step failed): learn nothing from it
+        (a drafter with a store of earlier requests must not store its partial text). `reset`
+        follows. Default: nothing is learned from a request."""
+        return  # a default: nothing to do
+
+    def weights(self) -> torch.nn.Module | Target | None:
+        """The model whose weights this drafter runs (memory reports count those it does not
+        share with the target); None: no model."""
+        return None
+
+    def kv_bytes(self) -> int:
+        """Bytes of this drafter's own KV cache now (0: none, or it drafts in the target's)."""
+        return 0
 
     def rounds(self, request: DraftRequest) -> Rounds:
         """The proposal as an explicit generator, for drafters with a `cache_model`: yield each

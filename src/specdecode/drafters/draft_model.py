@@ -32,7 +32,6 @@ from specdecode.drafters.base import (
     CacheModel,
     Draft,
     Drafter,
-    DraftModel,
     DraftRequest,
     Rounds,
     draw,
@@ -69,7 +68,7 @@ class DraftModelDrafter(Drafter):
     or, with `in_cache` (a model of the target's cache layout) and run by an engine, in the
     target's."""
 
-    def __init__(self, model: DraftModel, name: str = "draft-model", capacity: int = 4096,
+    def __init__(self, model: Target, name: str = "draft-model", capacity: int = 4096,
                  in_cache: bool = False, siblings: bool = False,
                  sibling_range: tuple[float, float] = (SIBLING_MIN, SIBLING_BELOW)) -> None:
         self.name = name
@@ -86,6 +85,12 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.cache, self.fed = None, []
+
+    def weights(self) -> Target:
+        return self.model
+
+    def kv_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes()
 
     @property
     def max_nodes(self) -> int:  # type: ignore[override]

@@ -18,16 +18,17 @@ import dataclasses
 
 import torch
 
-from specdecode.drafters.base import EMPTY, Draft, DraftModel, DraftRequest, ids_tensor
+from specdecode.drafters.base import EMPTY, Draft, DraftRequest, ids_tensor
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams, probs_from_logits, sample
 
 FAULTS = ("q-without-temperature", "top-p-one-side", "sampler-one-side", "q-from-other-model")
 
 
 class FaultyDrafter(DraftModelDrafter):
-    def __init__(self, model: DraftModel, fault: str, other: DraftModel | None = None,
+    def __init__(self, model: Target, fault: str, other: Target | None = None,
                  capacity: int = 4096) -> None:
         if fault not in FAULTS:
             raise SpecDecodeError(f"unknown fault '{fault}' (known: {', '.join(FAULTS)})")

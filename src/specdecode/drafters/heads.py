@@ -205,6 +205,12 @@ class HeadsDrafter(Drafter):
     def reset(self) -> None:
         self.feats, self.num_feats, self.cache, self.fed = self.feats[:0], 0, None, []
 
+    def weights(self) -> FeatureDrafterModel:
+        return self.model
+
+    def kv_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes()
+
     def observe(self, hidden: torch.Tensor, start: int) -> None:
         """The target's features (n, H) of context positions start..start+n-1 (after its final
         norm). Later positions are forgotten; draft entries that used them become invalid."""

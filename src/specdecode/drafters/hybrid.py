@@ -28,6 +28,9 @@ draft is verified as one-hot, a model draft against the q it was drawn from.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
 
 from specdecode.control import expected_accepted
 from specdecode.drafters.base import (
@@ -39,6 +42,9 @@ from specdecode.drafters.base import (
     Rounds,
 )
 from specdecode.trees import path_sums
+
+if TYPE_CHECKING:
+    from specdecode.models.target import Target
 
 MIN_EXPECTED = 0.6
 
@@ -84,10 +90,11 @@ class HybridDrafter(Drafter):
         # confidences then decide what is verified).
         self.fits_width = True
 
-    @property
-    def cache(self) -> object:
-        """The model drafter's KV cache (memory accounting reads `drafter.cache`)."""
-        return self.model.cache
+    def weights(self) -> torch.nn.Module | Target | None:
+        return self.model.weights()  # the lookup runs no model
+
+    def kv_bytes(self) -> int:
+        return self.model.kv_bytes()
 
     @property
     def max_nodes(self) -> int:  # type: ignore[override]
@@ -99,18 +106,16 @@ class HybridDrafter(Drafter):
     @property
     def isolation_key(self) -> str | None:
         """The lookup's scope in a store of earlier requests (server isolation)."""
-        return getattr(self.lookup, "isolation_key", None)
+        return self.lookup.isolation_key
 
     @isolation_key.setter
     def isolation_key(self, key: str | None) -> None:
-        if hasattr(self.lookup, "isolation_key"):
-            self.lookup.isolation_key = key
+        self.lookup.isolation_key = key
 
     def discard(self) -> None:
         """Forget the request instead of storing it (a lookup with a store)."""
-        discard = getattr(self.lookup, "discard", None)
-        if discard is not None:
-            discard()
+        self.lookup.discard()
+        self.model.discard()
 
     def reset(self) -> None:
         self.lookup.reset()

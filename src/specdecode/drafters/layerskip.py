@@ -84,22 +84,40 @@ class Calibration:
 
 
 class LayerSubset:
-    """The target restricted to `layers`: what DraftModelDrafter calls its draft model."""
+    """The target restricted to `layers` (a models.target.Target): what DraftModelDrafter
+    calls its draft model. It holds no weights of its own (all are the target's)."""
+
+    supports_trees = False  # a draft model: it drafts chains
+    invariance = None
 
     def __init__(self, model: LlamaModel, layers: Sequence[int]) -> None:
         self.model = model
         self.layers = tuple(layers)
         self.cfg = model.cfg
         self.rows_independent = model.rows_independent
+        self.backend, self.precision, self.dtype = model.backend, model.precision, model.dtype
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return self.model.new_cache(batch, capacity)
 
-    def __call__(self, tokens: torch.Tensor, cache: Cache, *,
-                 num_new: Sequence[int] | None = None,
-                 logits_for: str | torch.Tensor = "all") -> torch.Tensor:
-        return self.model(tokens, cache, num_new=num_new, logits_for=logits_for,
-                          layers=self.layers)
+    def weight_bytes(self) -> int:
+        return 0  # the target's blocks: nothing held beside them
+
+    def version(self) -> str:
+        return self.model.version()
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.head(hidden)
+
+    def __call__(self, tokens: torch.Tensor, cache: Cache,
+                 positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                 num_new: Sequence[int] | None = None, logits_for: str | torch.Tensor = "all",
+                 layers: Sequence[int] | None = None, return_hidden: bool = False
+                 ) -> torch.Tensor:
+        if layers is not None:
+            raise SpecDecodeError("a layer subset runs its own layers only")
+        return self.model(tokens, cache, positions, tree_mask, num_new, logits_for,
+                          self.layers, return_hidden)
 
 
 class LayerSkipDrafter(DraftModelDrafter):
@@ -108,6 +126,10 @@ class LayerSkipDrafter(DraftModelDrafter):
     def __init__(self, model: LlamaModel, layers: Sequence[int], capacity: int = 4096) -> None:
         check_layers(model, layers)
         super().__init__(LayerSubset(model, layers), "layerskip", capacity, in_cache=True)
+        self.target = model
+
+    def weights(self) -> LlamaModel:
+        return self.target  # the target's own blocks: memory reports count none of them
 
 
 def check_layers(model: Target, layers: Sequence[int]) -> None:

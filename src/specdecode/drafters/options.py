@@ -156,8 +156,8 @@ class DrafterOptions:
 
     def given(self) -> dict[str, Any]:
         """The drafter options set (not None), engine options left out."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("name", *ENGINE_OPTIONS) and getattr(self, f.name) is not None}
+        return {option: value for option, value in dataclasses.asdict(self).items()
+                if option not in ("name", *ENGINE_OPTIONS) and value is not None}
 
     def check(self) -> DrafterOptions:
         """Raise SpecDecodeError naming the first bad option: an unknown drafter, a value out
@@ -179,8 +179,9 @@ class DrafterOptions:
                 takes = ", ".join(used) if used else "no drafter options"
                 raise SpecDecodeError(f"the {self.name} drafter does not use {label(option)} "
                                       f"(it takes {takes})")
+        given = self.given()
         for option in needs(self.name):
-            if getattr(self, option) is None:
+            if option not in given:
                 flag = FLAGS.get(option, option)
                 raise SpecDecodeError(f"--drafter {self.name} needs {flag} PATH ({option})")
         return self

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest
+from specdecode.models.target import Target
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 
@@ -132,6 +133,12 @@ class XtokDrafter(Drafter):
         self.draft_eos = frozenset(draft_tok.eos_ids)
         self.target_eos = target_tok.eos_ids[:1]
         self.reset()
+
+    def weights(self) -> torch.nn.Module | Target | None:
+        return self.inner.weights()
+
+    def kv_bytes(self) -> int:
+        return self.inner.kv_bytes()
 
     def reset(self) -> None:
         self.inner.reset()

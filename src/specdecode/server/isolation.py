@@ -22,19 +22,10 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
 
 from specdecode.limits import SUFFIX_ISOLATION as MODES
 
 KEY_HEX = 32  # 128 bits of the digest: collisions between users are out of reach
-
-
-@runtime_checkable
-class Isolable(Protocol):
-    """A drafter that reads a store of earlier requests under a scope (drafters.suffix
-    .SuffixDrafter): set `isolation_key` before the request's first step."""
-
-    isolation_key: str | None
 
 
 class Isolation:

@@ -31,9 +31,10 @@ from specdecode.constraints import (
 from specdecode.drafters.registry import DrafterFactory
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
-from specdecode.server.isolation import Isolable, Isolation
+from specdecode.server.isolation import Isolation
 from specdecode.server.openai_errors import APIError
 from specdecode.server.protocol import (
     REFUSED_FIELDS,
@@ -56,7 +57,7 @@ class ServedModel:
 
     name: str  # the id /v1/models lists
     loaded_name: str  # the loaded checkpoint's own name (also accepted)
-    model: Any
+    model: Target
     tokenizer: Tokenizer
     eos_ids: tuple[int, ...]
     make_drafter: DrafterFactory | None
@@ -307,7 +308,7 @@ def new_generation(served: ServedModel, prompt_ids: list[int], params: SamplingP
     (Isolation.key; None: the shared scope) now, before its first step: it drafts only from
     text stored under that scope, and its own text is stored under it."""
     drafter = served.make_drafter() if served.make_drafter is not None else None
-    if isinstance(drafter, Isolable):
+    if drafter is not None:
         drafter.isolation_key = scope
     try:
         constraint = None if spec is None else compile_constraint(

@@ -13,19 +13,20 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from specdecode.calibration import calibrated_costs
 from specdecode.control import Controller, CostModel
+from specdecode.drafters.base import DrafterFactory
 from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import SUFFIX_ISOLATION
-from specdecode.memory import drafter_module, weight_bytes
+from specdecode.memory import weight_bytes
 from specdecode.models.loading import LoadedModel
+from specdecode.models.target import Target
 from specdecode.server.connections import HEADER_TIMEOUT_S
-from specdecode.server.isolation import Isolable, Isolation
+from specdecode.server.isolation import Isolation
 from specdecode.server.openai_errors import APIError
 from specdecode.server.prepare import ServedModel
 from specdecode.server.prometheus import ServerMetrics
@@ -141,8 +142,6 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
                               tokenizer=tok)
     store = factory.store if factory is not None else None
     isolation = Isolation(factory.isolation if factory is not None else SUFFIX_ISOLATION[0])
-    if store is not None and isolation.mode != "shared":
-        _check_isolable(factory, options.drafter.name)
     k = options.drafter.draft_length if factory is not None else 0
     window = min(int(model.cfg.max_position), options.max_seq_len - k - 1)
     if window < 2:
@@ -179,20 +178,11 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
                        options.shutdown_timeout)
 
 
-def _check_isolable(factory: Any, name: str) -> None:
-    """Fail closed: a drafter that reads a shared store but cannot be given a scope
-    (`isolation_key`) would draft every user's requests from every other user's text."""
-    if not isinstance(factory(), Isolable):
-        raise SpecDecodeError(f"--drafter {name} drafts from a store of earlier requests but "
-                              "cannot be isolated per user; use --suffix-isolation shared for "
-                              "a single-tenant server")
-
-
-def _draft_weight_bytes(factory: Any, model: Any) -> int:
+def _draft_weight_bytes(factory: DrafterFactory | None, model: Target) -> int:
     """Bytes of the drafter's own weights (none for a drafter without a model)."""
     if factory is None:
         return 0
-    module = drafter_module(factory())
+    module = factory().weights()
     return 0 if module is None else weight_bytes(module, shared=model)
 
 

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import zip_longest
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
 from specdecode.engine import BatchEngine, Generation, StepOutput
 from specdecode.errors import SpecDecodeError
@@ -44,14 +44,6 @@ class EngineFailure:
 
 Event = StepOutput | EngineFailure
 Deliver = Callable[[Event], None]
-
-
-@runtime_checkable
-class _Discards(Protocol):
-    """A drafter that would learn from its request when it ends (drafters.suffix
-    .SuffixDrafter stores it): `discard` makes it forget the request instead."""
-
-    def discard(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -215,7 +207,7 @@ class EngineWorker:
 def _discard(gen: Generation) -> None:
     """Make gen's drafter forget its request before the engine ends it (the engine's release
     would have it stored, as for a request that finished)."""
-    if isinstance(gen.drafter, _Discards):
+    if gen.drafter is not None:
         gen.drafter.discard()
 
 
