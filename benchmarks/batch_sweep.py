@@ -49,7 +49,7 @@ import torch
 from specdecode.bench.hardware import machine_summary
 from specdecode.bench.inprocess import kv_bytes
 from specdecode.calibration import calibrated_costs
-from specdecode.control import Controller
+from specdecode.control import Controller, CostModel
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation
@@ -146,7 +146,8 @@ def measure_batch(loaded: Any, texts: list[str], temperature: float, max_tokens:
     templates = prefilled(loaded, texts, temperature, max_tokens)
     run_cell(loaded, templates[:1], 2, None, 1)  # warm-up
     context = round(statistics.mean(t.prompt_len for t in templates))
-    costs = calibrated_costs(loaded.model, [batch], KMAX, context=context, repeats=2)
+    costs = CostModel(target_s=calibrated_costs(loaded.model, [batch], KMAX, context=context,
+                                                repeats=2))
     controllers = {label: Controller(kmax=KMAX, costs=copy.deepcopy(costs), max_step_cost=(
         cap if label == "auto-cap" else None)) for label, k in configs if k == "auto"}
     if "auto-noguard" in controllers:  # the controller's model alone, without PayGuard

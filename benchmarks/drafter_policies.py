@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from drafters import SPECBENCH, run_one
 
+from specdecode.acceptance import expected_accepted
 from specdecode.bench.hardware import machine_summary
 from specdecode.bench.workloads import load_workload
 from specdecode.calibration import forward_costs
-from specdecode.control import expected_accepted
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.ngram import NgramDrafter, NgramIndex
 from specdecode.drafters.registry import drafter_factory

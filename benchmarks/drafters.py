@@ -134,7 +134,8 @@ def main() -> None:
         except SpecDecodeError as exc:
             print(f"# {name}: skipped ({exc})")
     kmax = max((k for _, k, auto in factories.values() if auto), default=0)
-    costs = calibrated_costs(loaded.model, [1], kmax, context=256) if kmax else None
+    costs = CostModel(target_s=calibrated_costs(loaded.model, [1], kmax, context=256)) \
+        if kmax else None
     groups = prompts_by_category(args)
     hw = machine_summary()
     print(f"# SmolLM2-135M-Instruct {args.precision} target, batch 1, {args.max_tokens} new "

@@ -2,23 +2,24 @@
 controller (--k auto) starts from, before every step it runs refines them.
 
 `forward_costs` times one forward pass scoring 1..kmax new positions per row after a fixed
-context (warmed up, round-robin over the widths, medians); `calibrated_costs` turns that into a
-control.CostModel. This module imports nothing above the controller: the engine, the server,
-the CLI and the benchmarks call it. `generate --k auto` reads it through calibration_cache (once
-per model, precision, backend and machine); the `specdecode costs` report over these figures is
-bench.costs.
+context (warmed up, round-robin over the widths, medians); `calibrated_costs` turns that into
+the t(B, T) table a control.CostModel starts from. It sits at the bottom, beside the runners it
+times: it imports no part of speculation (the controller is built from its figures, not the
+reverse), and the engine, the server, the CLI and the benchmarks call it. `generate --k auto`
+reads it through calibration_cache (once per model, precision, backend and machine); the
+`specdecode costs` report over these figures is bench.costs.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
 import torch
 
-from specdecode.control import CostModel
+from specdecode.models.target import Target
 
+CostTable = dict[tuple[int, int], float]  # (batch size B, width T) -> seconds of t(B, T)
 CONTEXT = 128  # tokens of context the run-time calibration measures after
 REPEATS = 2  # round-robin repeats of each width
 
@@ -31,7 +32,7 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def forward_costs(model: Any, batch: int, context: int, kmax: int, repeats: int) -> list[dict]:
+def forward_costs(model: Target, batch: int, context: int, kmax: int, repeats: int) -> list[dict]:
     """Time of one forward scoring k = 1..kmax positions per row after `context` tokens.
 
     Rows: k, batch, median_s / min_s / max_s over `repeats`, first_s (the first, cold call of
@@ -74,11 +75,12 @@ def forward_costs(model: Any, batch: int, context: int, kmax: int, repeats: int)
     return rows
 
 
-def calibrated_costs(model: object, batches: list[int], kmax: int, context: int = CONTEXT,
-                     repeats: int = REPEATS) -> CostModel:
-    """A CostModel whose t(B, T) table is measured now for T = 1..kmax+1 at each batch size."""
-    costs = CostModel()
+def calibrated_costs(model: Target, batches: list[int], kmax: int, context: int = CONTEXT,
+                     repeats: int = REPEATS) -> CostTable:
+    """The t(B, T) table measured now for T = 1..kmax+1 at each batch size (what
+    control.CostModel(target_s=...) starts from)."""
+    costs: CostTable = {}
     for batch in batches:
         for row in forward_costs(model, batch, context, kmax + 1, repeats):
-            costs.target_s[(batch, int(row["k"]))] = float(row["median_s"])
+            costs[(batch, int(row["k"]))] = float(row["median_s"])
     return costs

@@ -21,9 +21,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.hardware import cpu_model, usable_cores
-from specdecode.calibration import CONTEXT, REPEATS, calibrated_costs
-from specdecode.control import CostModel
+from specdecode.calibration import CONTEXT, REPEATS, CostTable, calibrated_costs
+from specdecode.machine import cpu_model, usable_cores
 from specdecode.models.loading import LoadedModel, cache_root
 from specdecode.version import __version__
 
@@ -70,24 +69,22 @@ def cache_path(key: dict[str, Any]) -> Path:
     return cache_root() / "calibration" / f"{digest}.json"
 
 
-def read_costs(path: Path, key: dict[str, Any]) -> CostModel | None:
-    """The CostModel stored at `path` under exactly `key`, else None."""
+def read_costs(path: Path, key: dict[str, Any]) -> CostTable | None:
+    """The t(B, T) table stored at `path` under exactly `key`, else None."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("key") != key:
             return None
-        costs = CostModel()
-        for batch, width, seconds in data["target_s"]:
-            costs.target_s[(int(batch), int(width))] = float(seconds)
-        return costs
+        return {(int(batch), int(width)): float(seconds)
+                for batch, width, seconds in data["target_s"]}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def write_costs(path: Path, key: dict[str, Any], costs: CostModel) -> None:
+def write_costs(path: Path, key: dict[str, Any], costs: CostTable) -> None:
     """Store `costs` under `key` (atomically: a temporary file renamed); a cache that cannot be
     written is skipped, the run goes on."""
-    rows = [[b, t, s] for (b, t), s in sorted(costs.target_s.items())]
+    rows = [[b, t, s] for (b, t), s in sorted(costs.items())]
     text = json.dumps({"key": key, "target_s": rows}, indent=1)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +95,7 @@ def write_costs(path: Path, key: dict[str, Any], costs: CostModel) -> None:
         pass
 
 
-def cached_costs(loaded: LoadedModel, batches: list[int], kmax: int) -> CostModel:
+def cached_costs(loaded: LoadedModel, batches: list[int], kmax: int) -> CostTable:
     """calibration.calibrated_costs for this model, read from the cache when its key matches,
     else measured now and stored."""
     key = cache_key(loaded, batches, kmax)

@@ -45,6 +45,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from specdecode.acceptance import expected_accepted
+
 DEFAULT_PRIOR = 0.6
 # Speculating must be expected to beat plain decoding by this fraction: the cost model is
 # measured, not exact (noise, and per-row verification work besides the forward pass), and a
@@ -68,16 +70,6 @@ def expected_tokens(alpha: float, k: float) -> float:
     if alpha >= 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def expected_accepted(confidence: Sequence[float]) -> float:
-    """Expected accepted tokens of a draft whose token j is accepted with probability
-    confidence[j] given the ones before it were: sum_j prod_{i<=j} confidence[i]."""
-    total, survive = 0.0, 1.0
-    for c in confidence:
-        survive *= c
-        total += survive
-    return total
 
 
 def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int], float],

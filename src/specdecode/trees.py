@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, path_probabilities, path_sums
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_TREE_NODES
 from specdecode.verify import check_tree, tree_depths, tree_path
@@ -71,28 +71,6 @@ def cut_depth(draft: Draft, depth: int) -> Draft:
     assert draft.parents is not None
     depths = tree_depths(draft.parents).tolist()
     return keep_nodes(draft, [i for i, d in enumerate(depths) if d <= depth])
-
-
-def path_probabilities(draft: Draft) -> list[float]:
-    """Per node, the probability that the path to it is accepted: the product of the
-    confidences along it (1 where the drafter gave none)."""
-    assert draft.parents is not None
-    conf = draft.confidence or (1.0,) * int(draft.tokens.numel())
-    out: list[float] = []
-    for i, parent in enumerate(draft.parents.tolist()):
-        out.append(conf[i] * (1.0 if parent < 0 else out[parent]))
-    return out
-
-
-def path_sums(draft: Draft) -> list[float]:
-    """Per node, the accepted tokens expected along the path to it: the sum of the path
-    probabilities of its nodes."""
-    assert draft.parents is not None
-    probs = path_probabilities(draft)
-    out: list[float] = []
-    for i, parent in enumerate(draft.parents.tolist()):
-        out.append(probs[i] + (out[parent] if parent >= 0 else 0.0))
-    return out
 
 
 def keeping_order(draft: Draft) -> list[int]:

@@ -6,31 +6,10 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from pathlib import Path
 from typing import Any
 
 from specdecode.bench.records import HardwareInfo
-
-
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU model name from /proc/cpuinfo, else `platform.processor()`, else "unknown"."""
-    try:
-        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("model name", "Model", "Hardware", "cpu model") and value.strip():
-            return value.strip()
-    return platform.processor() or "unknown"
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask), falling back to os.cpu_count()."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+from specdecode.machine import cpu_model, usable_cores
 
 
 def torch_threads_if_loaded() -> int | None:

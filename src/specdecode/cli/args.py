@@ -131,23 +131,6 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "default: no cap, serve: 1.5)")
 
 
-def add_train_args(p: argparse.ArgumentParser, default_out: str) -> None:
-    """Options every trainer takes: target, corpus, steps, output folder, resume, seed, threads."""
-    p.add_argument("--model", default=None,
-                   help="target checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--corpus", action="append", default=None, metavar="PATH",
-                   help="training text: a file or folder (.html stripped, .py, .txt, ...); "
-                        "repeatable (default: python3.11-doc HTML if installed, else the "
-                        "standard-library source)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps")
-    p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the last checkpoint in --out")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's choice; 1 on a shared machine)")
-
-
 def add_constraint_args(p: argparse.ArgumentParser) -> None:
     """Structured output (docs/structured-output.md): at most one of these."""
     g = p.add_argument_group("structured output (llguidance; at most one)")

@@ -102,6 +102,28 @@ class DraftRequest:
         return dataclasses.replace(self, k=k)
 
 
+def path_probabilities(draft: Draft) -> list[float]:
+    """Per node, the probability that the path to it is accepted: the product of the
+    confidences along it (1 where the drafter gave none)."""
+    assert draft.parents is not None
+    conf = draft.confidence or (1.0,) * int(draft.tokens.numel())
+    out: list[float] = []
+    for i, parent in enumerate(draft.parents.tolist()):
+        out.append(conf[i] * (1.0 if parent < 0 else out[parent]))
+    return out
+
+
+def path_sums(draft: Draft) -> list[float]:
+    """Per node, the accepted tokens expected along the path to it: the sum of the path
+    probabilities of its nodes."""
+    assert draft.parents is not None
+    probs = path_probabilities(draft)
+    out: list[float] = []
+    for i, parent in enumerate(draft.parents.tolist()):
+        out.append(probs[i] + (out[parent] if parent >= 0 else 0.0))
+    return out
+
+
 Rounds = Generator[int, torch.Tensor, Draft]  # a proposal in the target's cache (see rounds)
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.control import expected_accepted
+from specdecode.acceptance import expected_accepted
 from specdecode.drafters.base import (
     CacheModel,
     Draft,
@@ -40,8 +40,8 @@ from specdecode.drafters.base import (
     DrafterFactory,
     DraftRequest,
     Rounds,
+    path_sums,
 )
-from specdecode.trees import path_sums
 
 if TYPE_CHECKING:
     from specdecode.models.target import Target
@@ -51,7 +51,7 @@ MIN_EXPECTED = 0.6
 
 def expected_tokens(draft: Draft) -> float:
     """Accepted tokens a draft with confidences is expected to get along one path: for a chain
-    control.expected_accepted, for a tree its best root path's (the sum of the path
+    acceptance.expected_accepted, for a tree its best root path's (the sum of the path
     probabilities along it). Not the whole tree's sum: a bushy tree of weak branches sums
     high while each branch it adds widens the pass, and it displaced the model part too often
     (suffix+w4a16 committed 2.66 tokens per pass against ngram+w4a16's 3.67 on repeating

@@ -149,7 +149,8 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
                               f"request with k={k}")
     controller = None
     if factory is not None and options.drafter.auto:
-        costs = costs or calibrated_costs(model, _calibration_batches(options.max_batch), k)
+        costs = costs or CostModel(target_s=calibrated_costs(
+            model, _calibration_batches(options.max_batch), k))
         controller = Controller(kmax=k, costs=costs,
                                 max_step_cost=options.drafter.max_step_cost)
     engine = BatchEngine(model, options.max_batch, options.max_seq_len, controller=controller)

@@ -345,7 +345,7 @@ def model_card(target: Any, target_name: str, corpus: dict[str, Any], cfg: Disti
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.cli.args import add_train_args
+    from specdecode.train.args import add_train_args
 
     add_train_args(p, DEFAULT_OUT)
     d = DistillConfig()

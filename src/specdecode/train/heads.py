@@ -379,7 +379,7 @@ def write_heads(out_dir: Path, model: FeatureDrafterModel, card: dict[str, Any])
 
 
 def add_heads_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.cli.args import add_train_args
+    from specdecode.train.args import add_train_args
 
     add_train_args(p, "runs/heads")
     d = HeadsTrainConfig()
