@@ -183,3 +183,41 @@ def test_load_model_reports_the_measured_invariance(tmp_path: Path) -> None:
     folder = make_checkpoint(tmp_path / "m")
     loaded = load_model(str(folder), precision="w4a16")
     assert loaded.model.invariance is not None and loaded.model.invariance.exact
+
+
+def test_the_portable_scalar_build_is_row_invariant_too(tmp_path: Path) -> None:
+    """kernels.c without AVX2 (as on other CPUs) keeps the same rules: built here for plain
+    x86-64, every kind's rows are the same bit for bit at every row count, and close to the
+    vector build's products."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    flags = [f for f in kernels.FLAGS if f != "-march=native"]
+    lib_path = tmp_path / "portable.so"
+    subprocess.run([cc, *flags, "-march=x86-64", "-o", str(lib_path), str(kernels.SOURCE), "-lm"],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.sd_has_avx2() == 0
+    lib.sd_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(kernels.SdMat),
+                              ctypes.c_void_p]
+    gen = torch.Generator().manual_seed(5)
+    w, bias, x = (torch.randn(37, 64, generator=gen), torch.randn(37, generator=gen),
+                  torch.randn(12, 64, generator=gen))
+    for kind in ("fp32", "bf16", "int8", "int4"):
+        packed = _packed(kind, w, bias)
+        mat = packed.struct()
+        xin = x.bfloat16().float().contiguous() if packed.round_x else x
+
+        def run(rows: torch.Tensor, mat: kernels.SdMat = mat) -> torch.Tensor:
+            y = torch.empty(rows.shape[0], 37)
+            lib.sd_matmul(rows.data_ptr(), rows.shape[0], ctypes.byref(mat), y.data_ptr())
+            return y
+
+        full = run(xin)
+        for rows in (1, 2, 3, 7, 12):
+            assert torch.equal(run(xin[:rows].contiguous()), full[:rows]), (kind, rows)
+        torch.testing.assert_close(full, kernels.matmul(x, packed), rtol=1e-4, atol=1e-3)

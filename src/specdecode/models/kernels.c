@@ -39,6 +39,7 @@
 #define ROWS 6     /* rows sharing one pass over a panel (a register block) */
 #define CHUNK 64   /* rows whose inputs stay in cache while every panel passes over them */
 #define GROUP 32   /* inputs per scale of the 4-bit format */
+#define SD_INLINE static inline __attribute__((always_inline))
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3 };
 
@@ -81,9 +82,10 @@ static inline float round_bf16(float f) { /* round to nearest even, as torch's .
 #if SD_AVX2
 /* Input k of panel p as two vectors of 8 floats: the weights (F32, BF16) or the integer codes
  * (I8, I4: scaled later, see below). */
-static inline void decode_k(const sd_mat *m, int64_t p, int64_t k, __m256 *w0, __m256 *w1) {
+SD_INLINE void decode_k(const sd_mat *m, int kind, int64_t p, int64_t k, __m256 *w0,
+                        __m256 *w1) {
     int64_t K = m->k;
-    switch (m->kind) {
+    switch (kind) {
     case KIND_F32: {
         const float *q = (const float *)m->w + (p * K + k) * PANEL;
         *w0 = _mm256_loadu_ps(q);
@@ -119,9 +121,9 @@ static inline void decode_k(const sd_mat *m, int64_t p, int64_t k, __m256 *w0, _
  * I8: a = sum_k x[k] code[k] likewise, then y = a * scale.
  * I4: per group g of 32 inputs, a_g = sum x[k] code[k] (from 0), then
  *     y = (y + a_g * scale_g) + xs_g * zero_g (two fused multiply-adds), y from 0. */
-static inline int64_t span_of(const sd_mat *m) { return m->kind == KIND_I4 ? GROUP : m->k; }
+SD_INLINE int64_t span_of(const sd_mat *m, int kind) { return kind == KIND_I4 ? GROUP : m->k; }
 
-static inline void fold_group(const sd_mat *m, int64_t p, int64_t g, __m256 a0, __m256 a1,
+SD_INLINE void fold_group(const sd_mat *m, int64_t p, int64_t g, __m256 a0, __m256 a1,
                               float sx, float *y) {
     int64_t G = m->k / GROUP;
     const float *sc = m->scale + (p * G + g) * PANEL, *ze = m->zero + (p * G + g) * PANEL;
@@ -133,8 +135,8 @@ static inline void fold_group(const sd_mat *m, int64_t p, int64_t g, __m256 a0, 
                                                             _mm256_loadu_ps(y + 8))));
 }
 
-static inline void finish(const sd_mat *m, int64_t p, __m256 a0, __m256 a1, float *y) {
-    if (m->kind == KIND_I8) {
+SD_INLINE void finish(const sd_mat *m, int kind, int64_t p, __m256 a0, __m256 a1, float *y) {
+    if (kind == KIND_I8) {
         a0 = _mm256_mul_ps(a0, _mm256_loadu_ps(m->scale + p * PANEL));
         a1 = _mm256_mul_ps(a1, _mm256_loadu_ps(m->scale + p * PANEL + 8));
     }
@@ -142,35 +144,48 @@ static inline void finish(const sd_mat *m, int64_t p, __m256 a0, __m256 a1, floa
     _mm256_storeu_ps(y + 8, a1);
 }
 
-/* R rows (1..ROWS, a constant after inlining), weights decoded straight into registers. */
-static inline void panel_direct(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                                const sd_mat *m, int64_t p, int R, float out[][PANEL]) {
-    int64_t span = span_of(m), K = m->k;
-    __m256 a0[ROWS], a1[ROWS];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
-    if (m->kind == KIND_I4) memset(out, 0, sizeof(float) * PANEL * (size_t)R);
+/* R rows (1..ROWS) against NP consecutive panels (1..4), both constants after inlining, weights
+ * decoded straight into registers; out[j][r] receives panel p + j's row r. One row keeps eight
+ * independent sums in flight over four panels, two rows over two: a single panel's two sums per
+ * row would wait on the fused multiply-add's latency at every input. */
+SD_INLINE void panel_direct(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                            const sd_mat *m, int kind, int64_t p, int NP, int R,
+                            float out[][CHUNK][PANEL]) {
+    int64_t span = span_of(m, kind), K = m->k;
+    __m256 a[ROWS][8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 2 * NP; c++) a[r][c] = _mm256_setzero_ps();
+    if (kind == KIND_I4)
+        for (int j = 0; j < NP; j++) memset(out[j], 0, sizeof(float) * PANEL * (size_t)R);
     for (int64_t k0 = 0; k0 < K; k0 += span) {
-        if (m->kind == KIND_I4) /* each group's sums start from 0 */
-            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        if (kind == KIND_I4) /* each group's sums start from 0 */
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < 2 * NP; c++) a[r][c] = _mm256_setzero_ps();
         for (int64_t k = k0; k < k0 + span; k++) {
-            __m256 w0, w1;
-            decode_k(m, p, k, &w0, &w1);
-            for (int r = 0; r < R; r++) {
-                __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-                a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
-                a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
+            __m256 xb[ROWS];
+            for (int r = 0; r < R; r++) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+            for (int j = 0; j < NP; j++) {
+                __m256 w0, w1;
+                decode_k(m, kind, p + j, k, &w0, &w1);
+                for (int r = 0; r < R; r++) {
+                    a[r][2 * j] = _mm256_fmadd_ps(xb[r], w0, a[r][2 * j]);
+                    a[r][2 * j + 1] = _mm256_fmadd_ps(xb[r], w1, a[r][2 * j + 1]);
+                }
             }
         }
-        if (m->kind == KIND_I4)
-            for (int r = 0; r < R; r++)
-                fold_group(m, p, k0 / GROUP, a0[r], a1[r], xs[r * ldxs + k0 / GROUP], out[r]);
+        if (kind == KIND_I4)
+            for (int j = 0; j < NP; j++)
+                for (int r = 0; r < R; r++)
+                    fold_group(m, p + j, k0 / GROUP, a[r][2 * j], a[r][2 * j + 1],
+                               xs[r * ldxs + k0 / GROUP], out[j][r]);
     }
-    if (m->kind != KIND_I4)
-        for (int r = 0; r < R; r++) finish(m, p, a0[r], a1[r], out[r]);
+    if (kind != KIND_I4)
+        for (int j = 0; j < NP; j++)
+            for (int r = 0; r < R; r++) finish(m, kind, p + j, a[r][2 * j], a[r][2 * j + 1], out[j][r]);
 }
 
 /* R rows against kb decoded inputs in wbuf, continuing the sums in acc (R x PANEL). */
-static inline void rows_over_block(const float *x, int64_t ldx, const float *wbuf, int64_t kb,
+SD_INLINE void rows_over_block(const float *x, int64_t ldx, const float *wbuf, int64_t kb,
                                    int R, float *acc, int fresh) {
     __m256 a0[ROWS], a1[ROWS];
     for (int r = 0; r < R; r++) {
@@ -195,8 +210,9 @@ static inline void rows_over_block(const float *x, int64_t ldx, const float *wbu
 
 /* More rows than a register block: each block of KBLOCK inputs is decoded once into wbuf and
  * every row block of the chunk passes over it; the sums wait in acc between blocks. */
-static void panel_buffered(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                           const sd_mat *m, int64_t p, int64_t M, float out[][PANEL]) {
+SD_INLINE void panel_buffered(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                               const sd_mat *m, int kind, int64_t p, int64_t M,
+                               float out[][PANEL]) {
     float wbuf[KBLOCK * PANEL], acc[CHUNK * PANEL];
     int64_t K = m->k;
     memset(out, 0, sizeof(float) * PANEL * (size_t)M);
@@ -204,11 +220,11 @@ static void panel_buffered(const float *x, int64_t ldx, const float *xs, int64_t
         int64_t kb = K - k0 < KBLOCK ? K - k0 : KBLOCK;
         for (int64_t k = 0; k < kb; k++) {
             __m256 w0, w1;
-            decode_k(m, p, k0 + k, &w0, &w1);
+            decode_k(m, kind, p, k0 + k, &w0, &w1);
             _mm256_storeu_ps(wbuf + k * PANEL, w0);
             _mm256_storeu_ps(wbuf + k * PANEL + 8, w1);
         }
-        int fresh = k0 == 0 || m->kind == KIND_I4; /* an I4 block is one whole group */
+        int fresh = k0 == 0 || kind == KIND_I4; /* an I4 block is one whole group */
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             int R = M - r0 >= ROWS ? ROWS : (int)(M - r0);
             const float *xr = x + r0 * ldx + k0;
@@ -221,29 +237,54 @@ static void panel_buffered(const float *x, int64_t ldx, const float *xs, int64_t
             case 2: rows_over_block(xr, ldx, wbuf, kb, 2, ar, fresh); break;
             default: rows_over_block(xr, ldx, wbuf, kb, 1, ar, fresh); break;
             }
-            if (m->kind == KIND_I4)
+            if (kind == KIND_I4)
                 for (int r = 0; r < R; r++)
                     fold_group(m, p, k0 / GROUP, _mm256_loadu_ps(ar + r * PANEL),
                                _mm256_loadu_ps(ar + r * PANEL + 8),
                                xs[(r0 + r) * ldxs + k0 / GROUP], out[r0 + r]);
         }
     }
-    if (m->kind != KIND_I4)
+    if (kind != KIND_I4)
         for (int64_t r = 0; r < M; r++)
-            finish(m, p, _mm256_loadu_ps(acc + r * PANEL), _mm256_loadu_ps(acc + r * PANEL + 8),
+            finish(m, kind, p, _mm256_loadu_ps(acc + r * PANEL), _mm256_loadu_ps(acc + r * PANEL + 8),
                    out[r]);
 }
 
-static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                        const sd_mat *m, int64_t p, int64_t M, float out[][PANEL]) {
+/* Panels p..p+np-1 (np panels per call: 4 for one row, 2 for two, else 1) for M rows. */
+SD_INLINE void chunk_of_kind(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                             const sd_mat *m, int kind, int64_t p, int np, int64_t M,
+                             float out[][CHUNK][PANEL]) {
+    if (M == 1) {
+        switch (np) {
+        case 4: panel_direct(x, ldx, xs, ldxs, m, kind, p, 4, 1, out); break;
+        case 3: panel_direct(x, ldx, xs, ldxs, m, kind, p, 3, 1, out); break;
+        case 2: panel_direct(x, ldx, xs, ldxs, m, kind, p, 2, 1, out); break;
+        default: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 1, out); break;
+        }
+        return;
+    }
+    if (M == 2) {
+        if (np == 2) panel_direct(x, ldx, xs, ldxs, m, kind, p, 2, 2, out);
+        else panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 2, out);
+        return;
+    }
     switch (M) {
-    case 1: panel_direct(x, ldx, xs, ldxs, m, p, 1, out); break;
-    case 2: panel_direct(x, ldx, xs, ldxs, m, p, 2, out); break;
-    case 3: panel_direct(x, ldx, xs, ldxs, m, p, 3, out); break;
-    case 4: panel_direct(x, ldx, xs, ldxs, m, p, 4, out); break;
-    case 5: panel_direct(x, ldx, xs, ldxs, m, p, 5, out); break;
-    case 6: panel_direct(x, ldx, xs, ldxs, m, p, 6, out); break;
-    default: panel_buffered(x, ldx, xs, ldxs, m, p, M, out); break;
+    case 3: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 3, out); break;
+    case 4: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 4, out); break;
+    case 5: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 5, out); break;
+    case 6: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 6, out); break;
+    default: panel_buffered(x, ldx, xs, ldxs, m, kind, p, M, out[0]); break;
+    }
+}
+
+/* One body per weight kind, row count and panel count, the kind a constant in each. */
+static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                        const sd_mat *m, int64_t p, int np, int64_t M, float out[][CHUNK][PANEL]) {
+    switch (m->kind) {
+    case KIND_F32: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_F32, p, np, M, out); break;
+    case KIND_BF16: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_BF16, p, np, M, out); break;
+    case KIND_I8: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_I8, p, np, M, out); break;
+    default: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_I4, p, np, M, out); break;
     }
 }
 #else
@@ -261,8 +302,8 @@ static inline float weight_at(const sd_mat *m, int64_t p, int64_t k, int c) {
 }
 
 /* The vector code's arithmetic (see there), one element at a time. */
-static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                        const sd_mat *m, int64_t p, int64_t M, float out[][PANEL]) {
+static void panel_one(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                      const sd_mat *m, int64_t p, int64_t M, float out[][PANEL]) {
     int64_t K = m->k, G = K / GROUP;
     for (int64_t r = 0; r < M; r++)
         for (int c = 0; c < PANEL; c++) {
@@ -282,6 +323,11 @@ static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ld
                 out[r][c] = m->kind == KIND_I8 ? a * m->scale[p * PANEL + c] : a;
             }
         }
+}
+
+static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
+                        const sd_mat *m, int64_t p, int np, int64_t M, float out[][CHUNK][PANEL]) {
+    for (int j = 0; j < np; j++) panel_one(x, ldx, xs, ldxs, m, p + j, M, out[j]);
 }
 #endif
 
@@ -311,18 +357,23 @@ static void matmul_in_region(const float *x, int64_t M, const sd_mat *m, float *
         prepare_rows(x, M, m, xr, xs);  /* ends with a barrier */
         xin = xr;
     }
+    int NP = M == 1 ? 4 : M == 2 ? 2 : 1; /* panels per call (chunk_of_kind) */
     for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
         int64_t mc = M - m0 < CHUNK ? M - m0 : CHUNK;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; p++) {
-            float out[CHUNK][PANEL];
-            int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
-            panel_chunk(xin + m0 * K, K, xs ? xs + m0 * G : NULL, G, m, p, mc, out);
-            for (int64_t r = 0; r < mc; r++) {
-                float *yr = y + (m0 + r) * ldy + n0;
-                for (int64_t c = 0; c < nn; c++) {
-                    float v = m->bias ? out[r][c] + m->bias[n0 + c] : out[r][c];
-                    yr[c] = accumulate ? yr[c] + v : v;
+        for (int64_t g = 0; g < (P + NP - 1) / NP; g++) {
+            float out[4][CHUNK][PANEL];
+            int64_t p0 = g * NP;
+            int np = P - p0 < NP ? (int)(P - p0) : NP;
+            panel_chunk(xin + m0 * K, K, xs ? xs + m0 * G : NULL, G, m, p0, np, mc, out);
+            for (int j = 0; j < np; j++) {
+                int64_t n0 = (p0 + j) * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+                for (int64_t r = 0; r < mc; r++) {
+                    float *yr = y + (m0 + r) * ldy + n0;
+                    for (int64_t c = 0; c < nn; c++) {
+                        float v = m->bias ? out[j][r][c] + m->bias[n0 + c] : out[j][r][c];
+                        yr[c] = accumulate ? yr[c] + v : v;
+                    }
                 }
             }
         }
