@@ -28,13 +28,14 @@ and everything else (activations, RMSNorm, RoPE, softmax, the KV cache) stays fp
   AVX2 CPU (2 threads, 30 SmolLM2 blocks' matrices streamed from memory, one row): fp32
   34 ms, w8a16 16 ms, w4a16 11 ms; two rows 78 / 18 / 15 ms.
 
-Batch invariance: at fp32 and bf16 a row's logits scored with other rows equal the row scored
-alone up to float rounding (attention and the fp32/fp16 GEMMs pick kernels by shape; ~1e-4 of
-a logit on SmolLM2), which greedy speculative decoding survives (24 of 24 built-in prompts
-token-identical at batch 1 and 8). int8 and the weight-only precisions are not invariant
-enough: int8's shared activation scale and, at w8a16 / w4a16, bf16 rounding of every
-product's input and output, which turns attention's rounding differences into ~1e-1 in the
-final hidden state. Speculation on them is refused (drafters.registry.check_batch_invariant).
+Batch invariance: on the row-invariant kernels (models.kernels; the default where they build)
+fp32, bf16, w8a16 and w4a16 give a position the same logits bit for bit whatever else is
+scored with it; the weight-only layers then hold their codes in the kernels' panels (fp32
+sums of the bf16-rounded inputs, fp32 outputs) instead of PyTorch's kernels. int8's shared
+activation scale makes it row-coupled by construction: speculation on it is refused
+(drafters.registry.check_batch_invariant). On PyTorch's kernels no precision is exact:
+attention and the fp32 / fp16 GEMMs pick kernels by shape (~1e-4 of a logit on SmolLM2 at
+fp32), and bf16 rounding at w8a16 / w4a16 amplifies that to ~1e-1.
 
 The fbgemm operators used here are the ones behind torch.ao dynamic quantization (deprecated
 in PyTorch 2.10+, present through 2.14); a build without them gets a SpecDecodeError naming
