@@ -126,6 +126,8 @@ class TargetPoint:
     same_output: tuple[int, int] | None = None  # (identical, compared) with fp32 plain's
     vs_reference: Interval | None = None  # best's tok/s over the reference's, paired
     plain_vs_reference: Interval | None = None
+    decode_vs_reference: Interval | None = None  # the same after each request's first token
+    plain_decode_vs_reference: Interval | None = None
     on_frontier: bool = False
 
     @property
@@ -144,6 +146,8 @@ class TargetPoint:
                 "best": self.best.spec.name, "best_tok_s": self.tok_s,
                 "speedup": _iv(self.speedup), "vs_reference": _iv(self.vs_reference),
                 "plain_vs_reference": _iv(self.plain_vs_reference),
+                "decode_vs_reference": _iv(self.decode_vs_reference),
+                "plain_decode_vs_reference": _iv(self.plain_decode_vs_reference),
                 "fidelity": None if self.fidelity is None else vars(self.fidelity),
                 "same_output": self.same_output, "on_frontier": self.on_frontier}
 
@@ -191,16 +195,19 @@ def reference_summary(analysis: Analysis, batch: int) -> ConfigSummary | None:
     return next((s for s in at if s.spec.target == LLAMACPP_TARGET and s.spec.is_plain), None)
 
 
-def ratio(analysis: Analysis, mine: ConfigSummary, theirs: ConfigSummary | None
-          ) -> Interval | None:
-    """`mine`'s tokens/s over `theirs`' on the requests both measured (whole requests, paired
-    bootstrap as every speedup of the report); None without `theirs` or common requests."""
+def ratio(analysis: Analysis, mine: ConfigSummary, theirs: ConfigSummary | None,
+          after_first: bool = False) -> Interval | None:
+    """`mine`'s tokens/s over `theirs`' on the requests both measured (whole requests, or
+    `after_first` each request's first token; paired bootstrap as every speedup of the
+    report); None without `theirs` or common requests."""
     if theirs is None:
         return None
     results = analysis.results
     measured = measure_speedup(results.samples_of(mine.key), results.samples_of(theirs.key),
                                theirs.spec.name, analysis.n_resamples, analysis.seed)
-    return None if measured is None else measured.total_ratio
+    if measured is None:
+        return None
+    return measured.decode_ratio if after_first else measured.total_ratio
 
 
 def same_outputs(mine: Sequence[RequestSample], reference: Sequence[RequestSample]
@@ -236,7 +243,9 @@ def target_points(analysis: Analysis) -> list[TargetPoint]:
             points.append(TargetPoint(
                 target, batch, plain, best, fidelity_of(facts.get(target, {})), same,
                 vs_reference=ratio(analysis, best, reference),
-                plain_vs_reference=ratio(analysis, plain, reference)))
+                plain_vs_reference=ratio(analysis, plain, reference),
+                decode_vs_reference=ratio(analysis, best, reference, after_first=True),
+                plain_decode_vs_reference=ratio(analysis, plain, reference, after_first=True)))
     for batch in analysis.batch_sizes:
         mark_frontier([p for p in points if p.batch_size == batch])
     return points

@@ -281,6 +281,8 @@ def fidelity_text(p: frontier.TargetPoint) -> str:
 def speed_text(p: frontier.TargetPoint) -> str:
     """The fastest lossless configuration's tokens/s and ratios."""
     ref = f", {_x(p.vs_reference)} llama.cpp's plain decoding" if p.vs_reference else ""
+    if p.decode_vs_reference is not None:
+        ref += f" (after the first token {_x(p.decode_vs_reference)})"
     own = f", {_x(p.speedup)} its plain decoding" if p.speedup is not None else ""
     return f"{p.best.spec.name} {p.tok_s:.1f} tok/s{own}{ref}"
 

@@ -50,7 +50,7 @@ NATIVE_TARGETS = ("fp32", "bf16", "int8", "w8a16", "w4a16")
 TARGETS = (*NATIVE_TARGETS, LLAMACPP)
 ALIASES = {"llamacpp": LLAMACPP, "gguf": LLAMACPP}
 DEFAULT_TARGET_CONFIGS = "plain;ngram:k=auto;ngram+w4a16:k=auto"
-PEER_NAME = "llama-cpp-python"  # Llama.generate on the same GGUF: the reference
+PEER_NAME = "llama-cpp-python/generate"  # Llama.generate on the same GGUF: the reference
 PEER_DRAFTER = "llamacpp-generate"
 REFERENCE = "fp32"  # agreement is measured against this target
 AGREEMENT_CHUNK = 8
