@@ -79,7 +79,8 @@ ACCEPTANCE_COLUMNS = (CONFIG, BATCH, Column("drafter", "drafter", text=True), Co
                       Column("rate", "accepted / drafted", term="rate"),
                       Column("alpha", "alpha", term="alpha"),
                       Column("mal", "mean acceptance length", term="mal"),
-                      Column("predicted", "predicted speedup", term="predicted"))
+                      Column("predicted", "predicted speedup", term="predicted"),
+                      Column("cost_source", "c and v from", text=True))
 DETAIL_COLUMNS = (CONFIG, BATCH, Column("tokens", "output tokens"),
                   Column("median_speedup", "speedup (median ratio, CI)", term="median"),
                   Column("itl", "per-token ITL p50 / p99 (ms)", term="itl"),
@@ -206,8 +207,9 @@ def summary_rows(analysis: Analysis) -> list[dict[str, Any]]:
             "speedup": _ci(spd.total_ratio) if spd else DASH,
             "median_speedup": _ci(spd.median_ratio) if spd else DASH,
             "decode_speedup": _ci(spd.decode_ratio) if spd else DASH,
-            "predicted": _num(s.predicted_speedup) + (f" ({s.cost_source})" if s.cost_source
-                                                      else ""),
+            # the cost source in a column of its own: as text it wraps, and "cost curve + in-run
+            # step overhead" beside the figure widened the table past 800 px
+            "predicted": _num(s.predicted_speedup), "cost_source": s.cost_source or DASH,
             "audit": audit, "audit_class": audit_class, "load": load_text,
             "load_class": load_class, "plain": s.spec.is_plain,
         })
