@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from specdecode.agreement import teacher_forced_logits
 from specdecode.bench import analysis as analysis_mod
 from specdecode.bench import frontier
 from specdecode.bench.analysis import Analysis, ConfigSummary, analyze
-from specdecode.bench.harness import make_header, validate_configs
+from specdecode.bench.harness import BenchOptions, make_header, run_bench, validate_configs
 from specdecode.bench.plan import parse_configs
 from specdecode.bench.recommend import recommend
 from specdecode.bench.records import ConfigSpec, CostCurve
@@ -271,6 +272,22 @@ def test_the_fastest_lossless_config_the_fidelity_admits_is_recommended(
     assert "speed-fidelity frontier at batch size 1" in text
     assert rec.vllm_config == {"method": "ngram", "num_speculative_tokens": 4,
                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_the_rule_given_now_wins_over_the_runs_and_the_harness_passes_it(
+        measured: Analysis, tmp_path: Any) -> None:
+    """--fidelity on a resumed run (or a re-analysis) applies: the header keeps the rule the run
+    started with, the rule given now is the one the recommendation and the report follow."""
+    assert recommend(measured).config == "w4a16/ngram-k4"  # the run's own rule: any
+    assert recommend(measured, "fp32").config == "fp32/ngram-k4"
+    runner = FakeTargetsRunner(STEPS, AGREEMENT, DIVERGE)  # started under "any"
+    prompts = make_prompts(8)
+    outcome = run_bench(runner, workload_of(prompts), grid(),
+                        BenchOptions(tmp_path / "run", n_resamples=200, progress=False,
+                                     fidelity="kl=0.01"), out=io.StringIO())
+    assert outcome.recommendation.config == "bf16/ngram-k4"
+    html = outcome.report_html.read_text(encoding="utf-8")
+    assert "keeps to mean KL from fp32 at most 0.01 nats" in html
 
 
 def test_a_faster_config_that_is_not_lossless_is_never_recommended(

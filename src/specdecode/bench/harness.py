@@ -84,6 +84,7 @@ class BenchOptions:
     progress: bool = True
     warmup: bool = True
     load_probe: Probe = read_cpu_times  # the CPU counters read around each measured batch
+    fidelity: str | None = None  # several targets: the rule to recommend under (None: the run's)
 
 
 @dataclass
@@ -253,7 +254,7 @@ def finish(results_path: Path, options: BenchOptions, measured: int, resumed: in
     """Analyze the results file and write report.json and report.html beside it."""
     results = read_results(results_path)
     analysis = analyze(results, n_resamples=options.n_resamples, seed=options.seed)
-    rec = recommend(analysis)
+    rec = recommend(analysis, options.fidelity)
     report_json = results_path.parent / REPORT_JSON
     report_html = results_path.parent / REPORT_HTML
     load = assess(results.header, results.samples)

@@ -279,6 +279,7 @@ class BenchPlan:
     # `--targets` (bench.targets): configurations left out per target and why, and why there
     # is no llama-cpp-python reference (None: there is one)
     targets: bool = False
+    fidelity: str | None = None  # --fidelity (a resumed run is recommended under the new one)
     skipped: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     no_reference: str | None = None
 
@@ -329,6 +330,7 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
     return BenchPlan(workload, grid, out_dir, args.resume, args.seed, cap,
                      progress=not args.quiet, n_resamples=args.resamples,
                      targets=bool(getattr(args, "targets", None)), skipped=skipped,
+                     fidelity=getattr(args, "fidelity", None),
                      no_reference=no_reference)
 
 
@@ -434,7 +436,7 @@ def execute(runner: Any, plan: BenchPlan, out: TextIO) -> Any:
 
     options = BenchOptions(plan.out_dir, resume=plan.resume, seed=plan.seed,
                            n_resamples=plan.n_resamples or DEFAULT_RESAMPLES,
-                           progress=plan.progress)
+                           progress=plan.progress, fidelity=plan.fidelity)
     return run_bench(runner, plan.workload, plan.configs, options, out=out)
 
 

@@ -215,11 +215,11 @@ def loop_note(analysis: Analysis, s: ConfigSummary) -> str | None:
                    f"({d.low:.2f}-{d.high:.2f})")
 
 
-def recommend(analysis: Analysis) -> Recommendation:
+def recommend(analysis: Analysis, fidelity: str | None = None) -> Recommendation:
     """The deployment recommendation from an Analysis (see the module docstring; a run of
-    several targets: `recommend_targets`), with a warning when configurations were measured
-    under interference (`interference.warning`)."""
-    rec = recommend_targets(analysis) if frontier.is_targets_run(analysis) else \
+    several targets: `recommend_targets`, under `fidelity`), with a warning when
+    configurations were measured under interference (`interference.warning`)."""
+    rec = recommend_targets(analysis, fidelity) if frontier.is_targets_run(analysis) else \
         _recommend(analysis)
     results = analysis.results
     warning = interference.warning(interference.assess(results.header, results.samples))
@@ -297,13 +297,14 @@ def point_line(p: frontier.TargetPoint) -> str:
             + ("; on the speed-fidelity frontier" if p.on_frontier else ""))
 
 
-def recommend_targets(analysis: Analysis) -> Recommendation:
-    """Among the targets whose fidelity the run's rule admits (`--fidelity`, kept in the
-    header), the fastest lossless configuration at the smallest batch size measured
-    (frontier.choose); the evidence is every target's point, the notes the frontier (what
-    each level of fidelity costs) and whether the choice is within noise of the next."""
+def recommend_targets(analysis: Analysis, fidelity: str | None = None) -> Recommendation:
+    """Among the targets whose fidelity `fidelity` admits (fp32 | any | kl=X | top1=X; None:
+    the rule the run was started with, kept in its header), the fastest lossless configuration
+    at the smallest batch size measured (frontier.choose); the evidence is every target's
+    point, the notes the frontier (what each level of fidelity costs) and whether the choice is
+    within noise of the next."""
     details = analysis.results.header.runner.get("details") or {}
-    rule = frontier.parse_fidelity(details.get("fidelity"))
+    rule = frontier.parse_fidelity(fidelity if fidelity is not None else details.get("fidelity"))
     points = frontier.target_points(analysis)
     batch = min((p.batch_size for p in points), default=1)
     choice = frontier.choose(analysis, points, rule, batch)

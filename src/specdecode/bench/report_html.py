@@ -522,8 +522,9 @@ def frontier_figure(points: Sequence[frontier.TargetPoint], batch: int) -> Marku
         y_range=(0.0, None))
 
 
-def targets_context(analysis: Analysis) -> dict[str, Any]:
-    """The report's targets section (empty for a run of one target)."""
+def targets_context(analysis: Analysis, recommendation: Recommendation) -> dict[str, Any]:
+    """The report's targets section (empty for a run of one target); the fidelity rule stated
+    is the one the recommendation was made under."""
     if not frontier.is_targets_run(analysis):
         return {"targets": None}
     points = frontier.target_points(analysis)
@@ -550,7 +551,8 @@ def targets_context(analysis: Analysis) -> dict[str, Any]:
         "no_reference": details.get("no_reference"), "refused": refused,
         "invariance": [(n, f.get("invariance")) for n, f in facts.items()
                        if f.get("invariance")],
-        "rule": frontier.parse_fidelity(details.get("fidelity")).describe()}}
+        "rule": frontier.parse_fidelity(recommendation.fidelity or details.get("fidelity"))
+        .describe()}}
 
 
 def load_rows(load: interference.LoadReport) -> list[dict[str, Any]]:
@@ -716,7 +718,7 @@ def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
         "cost_columns": COST_COLUMNS, "audit_power": audit_power(analysis),
         "fidelity_columns": FIDELITY_COLUMNS, "plain_speed_columns": PLAIN_SPEED_COLUMNS,
         "best_speed_columns": BEST_SPEED_COLUMNS,
-        **targets_context(analysis),
+        **targets_context(analysis, recommendation),
         "audit_real_tv": AUDIT_REAL_TV, "audit_power_level": AUDIT_POWER,
         "structured_rows": structured_rows(analysis),
         "warmup_rows": warmup_rows(analysis), "warmup_figures": warmup_figures(analysis),
