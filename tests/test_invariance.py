@@ -221,3 +221,29 @@ def test_the_portable_scalar_build_is_row_invariant_too(tmp_path: Path) -> None:
         for rows in (1, 2, 3, 7, 12):
             assert torch.equal(run(xin[:rows].contiguous()), full[:rows]), (kind, rows)
         torch.testing.assert_close(full, kernels.matmul(x, packed), rtol=1e-4, atol=1e-3)
+
+
+def test_grouped_int8_head_reproduces_q8_0_blocks_and_the_tied_rows(tiny: LlamaModel) -> None:
+    """The weight-only precisions' head on the kernels: int8 per group of 32 inputs. A matrix
+    built as GGUF's Q8_0 de-quantizes (code * d, the largest |code| of a block 127, d an fp16)
+    comes back bit for bit; the tied embedding reads its rows from the same panels; products
+    are row-invariant like every kind's."""
+    from specdecode.models.precision import GroupedInt8Linear, TiedEmbedding, quantize_row_groups
+
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(-127, 128, (48, 64), generator=gen)
+    codes[:, ::32] = 127  # every block holds its largest code
+    d = (torch.rand(48, 2, generator=gen) * 0.01).half().float()
+    w = codes.float() * d.repeat_interleave(32, dim=1)
+    got_codes, got_scales = quantize_row_groups(w)
+    assert torch.equal(got_scales, d) and torch.equal(got_codes.long(), codes)
+    head = GroupedInt8Linear(w)
+    assert torch.equal(kernels.weight_of(head.panels), w)
+    assert torch.equal(head.rows(torch.tensor([[3, 17, 40]]))[0], w[[3, 17, 40]])
+    x = torch.randn(9, 64, generator=gen)
+    full = head(x)
+    assert all(torch.equal(head(x[:r]), full[:r]) for r in range(1, 9))
+    torch.testing.assert_close(full, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    model = apply_precision(tiny, "w4a16")
+    assert isinstance(model.lm_head, GroupedInt8Linear) and isinstance(model.embed, TiedEmbedding)
+    assert measure(model).exact

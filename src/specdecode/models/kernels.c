@@ -41,13 +41,16 @@
 #define GROUP 32   /* inputs per scale of the 4-bit format */
 #define SD_INLINE static inline __attribute__((always_inline))
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3 };
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4 };
+#define GROUPED(kind) ((kind) == KIND_I4 || (kind) == KIND_I8G)
 
 /* A weight matrix (N outputs, K inputs) in panels of PANEL output columns.
  * F32 / BF16: panel p holds W[p*16 + c][k] at [(p*K + k)*16 + c].
  * I8: int8 codes likewise; scale[p*16 + c] per output column: w = code * scale.
  * I4: codes 0..15, byte [(p*K + k)*8 + c] = code of column c | code of column c + 8 << 4;
- *     scale, zero at [(p*(K/32) + g)*16 + c] for input group g: w = code * scale + zero. */
+ *     scale, zero at [(p*(K/32) + g)*16 + c] for input group g: w = code * scale + zero.
+ * I8G: int8 codes as I8, a scale per output column and group of 32 inputs (as I4's, no zero):
+ *     w = code * scale (GGUF's Q8_0 blocks, which such a matrix reproduces exactly). */
 typedef struct {
     const void *w;
     const float *scale;
@@ -100,7 +103,8 @@ SD_INLINE void decode_k(const sd_mat *m, int kind, int64_t p, int64_t k, __m256 
         *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
         return;
     }
-    case KIND_I8: {
+    case KIND_I8:
+    case KIND_I8G: {
         __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)m->w + (p * K + k) * PANEL));
         *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
         *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
@@ -121,12 +125,18 @@ SD_INLINE void decode_k(const sd_mat *m, int kind, int64_t p, int64_t k, __m256 
  * I8: a = sum_k x[k] code[k] likewise, then y = a * scale.
  * I4: per group g of 32 inputs, a_g = sum x[k] code[k] (from 0), then
  *     y = (y + a_g * scale_g) + xs_g * zero_g (two fused multiply-adds), y from 0. */
-SD_INLINE int64_t span_of(const sd_mat *m, int kind) { return kind == KIND_I4 ? GROUP : m->k; }
+SD_INLINE int64_t span_of(const sd_mat *m, int kind) { return GROUPED(kind) ? GROUP : m->k; }
 
-SD_INLINE void fold_group(const sd_mat *m, int64_t p, int64_t g, __m256 a0, __m256 a1,
-                              float sx, float *y) {
+SD_INLINE void fold_group(const sd_mat *m, int kind, int64_t p, int64_t g, __m256 a0,
+                          __m256 a1, float sx, float *y) {
     int64_t G = m->k / GROUP;
     const float *sc = m->scale + (p * G + g) * PANEL, *ze = m->zero + (p * G + g) * PANEL;
+    if (kind == KIND_I8G) { /* y = y + a_g * scale_g */
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(a0, _mm256_loadu_ps(sc), _mm256_loadu_ps(y)));
+        _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(a1, _mm256_loadu_ps(sc + 8),
+                                                _mm256_loadu_ps(y + 8)));
+        return;
+    }
     __m256 b = _mm256_set1_ps(sx);
     _mm256_storeu_ps(y, _mm256_fmadd_ps(b, _mm256_loadu_ps(ze),
                                         _mm256_fmadd_ps(a0, _mm256_loadu_ps(sc), _mm256_loadu_ps(y))));
@@ -155,10 +165,10 @@ SD_INLINE void panel_direct(const float *x, int64_t ldx, const float *xs, int64_
     __m256 a[ROWS][8];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 2 * NP; c++) a[r][c] = _mm256_setzero_ps();
-    if (kind == KIND_I4)
+    if (GROUPED(kind))
         for (int j = 0; j < NP; j++) memset(out[j], 0, sizeof(float) * PANEL * (size_t)R);
     for (int64_t k0 = 0; k0 < K; k0 += span) {
-        if (kind == KIND_I4) /* each group's sums start from 0 */
+        if (GROUPED(kind)) /* each group's sums start from 0 */
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < 2 * NP; c++) a[r][c] = _mm256_setzero_ps();
         for (int64_t k = k0; k < k0 + span; k++) {
@@ -173,13 +183,13 @@ SD_INLINE void panel_direct(const float *x, int64_t ldx, const float *xs, int64_
                 }
             }
         }
-        if (kind == KIND_I4)
+        if (GROUPED(kind))
             for (int j = 0; j < NP; j++)
                 for (int r = 0; r < R; r++)
-                    fold_group(m, p + j, k0 / GROUP, a[r][2 * j], a[r][2 * j + 1],
+                    fold_group(m, kind, p + j, k0 / GROUP, a[r][2 * j], a[r][2 * j + 1],
                                xs[r * ldxs + k0 / GROUP], out[j][r]);
     }
-    if (kind != KIND_I4)
+    if (!GROUPED(kind))
         for (int j = 0; j < NP; j++)
             for (int r = 0; r < R; r++) finish(m, kind, p + j, a[r][2 * j], a[r][2 * j + 1], out[j][r]);
 }
@@ -224,7 +234,7 @@ SD_INLINE void panel_buffered(const float *x, int64_t ldx, const float *xs, int6
             _mm256_storeu_ps(wbuf + k * PANEL, w0);
             _mm256_storeu_ps(wbuf + k * PANEL + 8, w1);
         }
-        int fresh = k0 == 0 || kind == KIND_I4; /* an I4 block is one whole group */
+        int fresh = k0 == 0 || GROUPED(kind); /* a grouped kind's block is one group */
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             int R = M - r0 >= ROWS ? ROWS : (int)(M - r0);
             const float *xr = x + r0 * ldx + k0;
@@ -237,14 +247,14 @@ SD_INLINE void panel_buffered(const float *x, int64_t ldx, const float *xs, int6
             case 2: rows_over_block(xr, ldx, wbuf, kb, 2, ar, fresh); break;
             default: rows_over_block(xr, ldx, wbuf, kb, 1, ar, fresh); break;
             }
-            if (kind == KIND_I4)
+            if (GROUPED(kind))
                 for (int r = 0; r < R; r++)
-                    fold_group(m, p, k0 / GROUP, _mm256_loadu_ps(ar + r * PANEL),
+                    fold_group(m, kind, p, k0 / GROUP, _mm256_loadu_ps(ar + r * PANEL),
                                _mm256_loadu_ps(ar + r * PANEL + 8),
                                xs[(r0 + r) * ldxs + k0 / GROUP], out[r0 + r]);
         }
     }
-    if (kind != KIND_I4)
+    if (!GROUPED(kind))
         for (int64_t r = 0; r < M; r++)
             finish(m, kind, p, _mm256_loadu_ps(acc + r * PANEL), _mm256_loadu_ps(acc + r * PANEL + 8),
                    out[r]);
@@ -284,6 +294,7 @@ static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ld
     case KIND_F32: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_F32, p, np, M, out); break;
     case KIND_BF16: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_BF16, p, np, M, out); break;
     case KIND_I8: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_I8, p, np, M, out); break;
+    case KIND_I8G: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_I8G, p, np, M, out); break;
     default: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_I4, p, np, M, out); break;
     }
 }
@@ -293,7 +304,8 @@ static inline float weight_at(const sd_mat *m, int64_t p, int64_t k, int c) {
     switch (m->kind) {
     case KIND_F32: return ((const float *)m->w)[(p * K + k) * PANEL + c];
     case KIND_BF16: return bf16_to_f32(((const uint16_t *)m->w)[(p * K + k) * PANEL + c]);
-    case KIND_I8: return (float)((const int8_t *)m->w)[(p * K + k) * PANEL + c];
+    case KIND_I8:
+    case KIND_I8G: return (float)((const int8_t *)m->w)[(p * K + k) * PANEL + c];
     default: {
         uint8_t b = ((const uint8_t *)m->w)[(p * K + k) * (PANEL / 2) + c % 8];
         return (float)(c < 8 ? b & 0xf : b >> 4);
@@ -307,14 +319,15 @@ static void panel_one(const float *x, int64_t ldx, const float *xs, int64_t ldxs
     int64_t K = m->k, G = K / GROUP;
     for (int64_t r = 0; r < M; r++)
         for (int c = 0; c < PANEL; c++) {
-            if (m->kind == KIND_I4) {
+            if (GROUPED(m->kind)) {
                 float y = 0.0f;
                 for (int64_t g = 0; g < G; g++) {
                     float a = 0.0f;
                     for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++)
                         a = fmaf(x[r * ldx + k], weight_at(m, p, k, c), a);
                     int64_t i = (p * G + g) * PANEL + c;
-                    y = fmaf(xs[r * ldxs + g], m->zero[i], fmaf(a, m->scale[i], y));
+                    y = m->kind == KIND_I8G ? fmaf(a, m->scale[i], y)
+                                            : fmaf(xs[r * ldxs + g], m->zero[i], fmaf(a, m->scale[i], y));
                 }
                 out[r][c] = y;
             } else {

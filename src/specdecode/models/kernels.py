@@ -36,7 +36,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenm
          "-shared")
 PANEL = 16  # kernels.c: output columns per packed panel
 GROUP = 32  # kernels.c: inputs per scale of the 4-bit format
-KIND_F32, KIND_BF16, KIND_I8, KIND_I4 = 0, 1, 2, 3
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I8G = 0, 1, 2, 3, 4
 MAX_HEAD_DIM = 512  # kernels.c's per-row RoPE buffer
 
 _P = ctypes.c_void_p
@@ -159,7 +159,7 @@ class Panels:
     w: torch.Tensor
     n: int
     k: int
-    scale: torch.Tensor | None = None  # I8: (P * 16,); I4: (P, k / 32, 16)
+    scale: torch.Tensor | None = None  # I8: (P * 16,); I4, I8G: (P, k / 32, 16)
     zero: torch.Tensor | None = None  # I4: (P, k / 32, 16)
     bias: torch.Tensor | None = None  # (n,) fp32
     round_x: bool = False  # inputs rounded to bf16 (the "a16" precisions)
@@ -219,6 +219,24 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   round_x=round_x)
 
 
+def pack_int8_groups(codes: torch.Tensor, scales: torch.Tensor,
+                     bias: torch.Tensor | None = None, round_x: bool = False) -> Panels:
+    """int8 codes per (n, k) with a scale per output and group of 32 inputs, (n, k / 32):
+    w[n][k] = codes[n][k] * scales[n][k // 32] (the layout of GGUF's Q8_0 blocks)."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise ValueError(f"grouped int8 panels need inputs divisible by {GROUP}, got {k}")
+    w = _panelled(codes.to(torch.int8)).transpose(1, 2).contiguous()  # (P, k, 16)
+    return Panels(KIND_I8G, w, n, k, scale=_panelled(scales.float()).transpose(1, 2).contiguous(),
+                  bias=_bias(bias), round_x=round_x)
+
+
+def group_scales(p: Panels) -> torch.Tensor:
+    """(n, k / 32) scales of I4 or I8G panels."""
+    assert p.scale is not None
+    return p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
+
+
 def codes_of(p: Panels) -> torch.Tensor:
     """The (n, k) weight values (F32, BF16) or integer codes (I8, I4) the panels hold."""
     if p.kind == KIND_I4:
@@ -236,6 +254,8 @@ def weight_of(p: Panels) -> torch.Tensor:
     if p.kind == KIND_I8:
         assert p.scale is not None
         return c * p.scale[: p.n, None]
+    if p.kind == KIND_I8G:
+        return c * group_scales(p).repeat_interleave(GROUP, 1)
     if p.kind == KIND_I4:
         assert p.scale is not None and p.zero is not None
         scale = p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]

@@ -294,14 +294,14 @@ class LlamaModel(nn.Module):
         The measured invariance is forgotten (it belongs to the kernels that were measured)."""
         if exact and not kernels.available():
             raise RuntimeError(f"row-invariant kernels unavailable: {kernels.build_error()}")
-        from specdecode.models.precision import PackedLinear, WeightOnlyLinear
+        from specdecode.models.precision import GroupedInt8Linear, PackedLinear, WeightOnlyLinear
 
         self.exact = exact
         self.invariance = None
         for module in self.modules():
             if isinstance(module, Linear | Block):
                 module.exact = exact
-            elif isinstance(module, PackedLinear | WeightOnlyLinear):
+            elif isinstance(module, PackedLinear | WeightOnlyLinear | GroupedInt8Linear):
                 module.set_exact(exact)
         return self
 
@@ -325,6 +325,12 @@ class LlamaModel(nn.Module):
                 setattr(dst, name, matrix(*prec.float_weight(getattr(src, name))))
         embed = prec.float_weight(self.embed)[0]
         head = prec.float_weight(self.lm_head)[0]
+        if precision in prec.WEIGHT_ONLY and self.exact and head.shape[1] % prec.GROUP == 0:
+            # on the kernels: an int8 head per group of 32 (exact for a GGUF's Q8_0 table)
+            new.lm_head = prec.GroupedInt8Linear(head)
+            new.embed = prec.TiedEmbedding(new.lm_head) if self.cfg.tie_embeddings and \
+                torch.equal(embed, head) else prec.Bf16Embedding(embed)
+            return new.set_exact(self.exact).eval()
         bf16_ends = precision in ("bf16", *prec.WEIGHT_ONLY)  # fp32 logits from bf16 weights
         new.embed = prec.Bf16Embedding(embed) if bf16_ends else prec.Int8Embedding(embed)
         new.lm_head = prec.PackedLinear("bf16" if bf16_ends else precision, head, None)

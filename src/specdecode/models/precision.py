@@ -22,11 +22,12 @@ and everything else (activations, RMSNorm, RoPE, softmax, the KV cache) stays fp
   CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`: bf16 products, fp32
   accumulation) and returns fp32. Unlike int8's, these products are row-invariant: an output
   row depends on its own input row only, bit for bit (checked for 1-300 rows and 1 or 2
-  threads). The LM head and the embedding are bf16 as in the bf16 precision: fp32 logits (a
-  bf16-output head rounds them to 8 significant bits, making exact ties between top tokens
-  common) and a faster head here than int8 (3.3 against 3.8 ms for one row). Measured on this
-  AVX2 CPU (2 threads, 30 SmolLM2 blocks' matrices streamed from memory, one row): fp32
-  34 ms, w8a16 16 ms, w4a16 11 ms; two rows 78 / 18 / 15 ms.
+  threads). On PyTorch's kernels the LM head and the embedding are bf16 as in the bf16
+  precision (fp32 logits: a bf16-output head rounds them to 8 significant bits, making exact
+  ties between top tokens common). On the row-invariant kernels the head is int8 per group of
+  32 inputs with an fp32 scale (GroupedInt8Linear: the layout of GGUF's Q8_0 blocks, in which
+  SmolLM2's tied table is stored, so it is reproduced exactly) and the tied embedding reads its
+  rows: half a bf16 head's bytes per step, and closer to the checkpoint.
 
 Batch invariance: on the row-invariant kernels (models.kernels; the default where they build)
 fp32, bf16, w8a16 and w4a16 give a position the same logits bit for bit whatever else is
@@ -258,6 +259,76 @@ class WeightOnlyLinear(nn.Module):
         return f"{self.kind}, in={self.in_features}, out={self.out_features}"
 
 
+def quantize_row_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row and group of `group` inputs: (codes int8 (rows, cols),
+    scales fp32 (rows, cols / group)), w ~= codes * scale, scale = max |w| / 127 of the group.
+    A matrix de-quantized from GGUF's Q8_0 blocks (w = code * d, the largest |code| 127) comes
+    back exactly: its d = max |w| / 127, a division without rounding."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group, group)
+    scales = g.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(g / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes.reshape(rows, cols), scales
+
+
+class GroupedInt8Linear(nn.Module):
+    """The LM head of the weight-only precisions on the row-invariant kernels: int8 per output
+    row and group of 32 inputs (GGUF's Q8_0 layout, in which SmolLM2's tied embedding is stored:
+    reproduced exactly), fp32 inputs and sums. Against a bf16 head it reads half the bytes per
+    step (the head is ~a third of a 4-bit SmolLM2 step's weight traffic) and matches the
+    checkpoint closer. Without the kernels it multiplies the same weight with PyTorch."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        codes, scales = quantize_row_groups(weight.detach().float())
+        self.panels = kernels.pack_int8_groups(codes, scales)
+        self.nbytes = self.panels.nbytes
+        self.exact = True
+        self._dense: torch.Tensor | None = None
+
+    def set_exact(self, exact: bool) -> None:
+        self.exact = exact
+
+    def exact_panels(self) -> kernels.Panels | None:
+        return self.panels if self.exact else None
+
+    def dequantized(self) -> torch.Tensor:
+        return kernels.weight_of(self.panels)
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight for `tokens` (an embedding lookup of the tied table), fp32."""
+        flat = tokens.reshape(-1)
+        p, c = flat // kernels.PANEL, flat % kernels.PANEL
+        codes = self.panels.w[p, :, c].float()  # (n, in)
+        assert self.panels.scale is not None
+        scales = self.panels.scale[p, :, c]  # (n, in / 32)
+        out = codes * scales.repeat_interleave(GROUP, dim=1)
+        return out.view(*tokens.shape, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact and kernels.available():
+            return kernels.matmul(x, self.panels)
+        if self._dense is None:
+            self._dense = self.dequantized()
+        return torch.nn.functional.linear(x.float(), self._dense)
+
+    def extra_repr(self) -> str:
+        return f"int8 per group of {GROUP}, in={self.in_features}, out={self.out_features}"
+
+
+class TiedEmbedding(nn.Module):
+    """Embedding rows read from a GroupedInt8Linear head (a tied table held once)."""
+
+    def __init__(self, head: GroupedInt8Linear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so its bytes are counted once
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head[0].rows(tokens)
+
+
 def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight fp32, bias or None) of a linear or embedding module at any precision."""
     if isinstance(module, PackedLinear):
@@ -270,6 +341,10 @@ def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         return w.dequantize(), b
     if isinstance(module, WeightOnlyLinear):
         return module.dequantized(), module.bias
+    if isinstance(module, GroupedInt8Linear):
+        return module.dequantized(), None
+    if isinstance(module, TiedEmbedding):
+        return module.head[0].dequantized(), None
     if isinstance(module, Int8Embedding):
         return module.q.float() * module.scales[:, None], None
     if isinstance(module, nn.Linear):
