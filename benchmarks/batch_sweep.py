@@ -52,7 +52,7 @@ from specdecode.calibration import calibrated_costs
 from specdecode.control import Controller, CostModel
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.registry import drafter_factory
-from specdecode.engine import BatchEngine, Generation
+from specdecode.engine import BatchEngine, Generation, adopt_prefill
 from specdecode.memory import weight_bytes
 from specdecode.models.loading import load_model
 from specdecode.sampling import SamplingParams
@@ -95,7 +95,7 @@ def run_cell(loaded: Any, templates: list[Generation], k: int | str,
         kk = KMAX if k == "auto" else int(k)
         gen = Generation(model, None, t.context[: t.prompt_len], t.params,
                          make() if kk else None, kk, loaded.tokenizer.eos_ids)
-        gen.adopt_prefill(t)
+        adopt_prefill(gen, t)
         gens.append(gen)
     engine = BatchEngine(model, batch, max(g.capacity for g in gens),
                          controller if k == "auto" else None)

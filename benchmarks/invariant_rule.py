@@ -52,7 +52,7 @@ def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k
     first, first_n = time.perf_counter(), len(gen.output)
     while gen.finish_reason is None:
         gen.step()
-        alphas += gen.last_alphas
+        alphas += gen.control.alphas
     elapsed = time.perf_counter() - first
     gen.release()
     c = gen.counters

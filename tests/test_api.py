@@ -150,3 +150,22 @@ def test_default_model_greedy_equals_the_cli() -> None:
     assert out.tokens == cli["token_ids"] and out.text == cli["text"]
     assert out.text.startswith(" there was a wise old wizard named")
     assert out.counters.emitted == len(out.tokens)
+
+
+def test_the_apis_bench_arguments_are_the_commands_defaults() -> None:
+    """The API runs bench.plan with a namespace of its own (it does not import the command
+    line): every flag of `specdecode bench` is in it, at the command's default except those the
+    API sets from the loaded model and its own arguments."""
+    import argparse
+
+    from specdecode.api import _bench_args
+    from specdecode.cli.bench import register
+
+    parser = argparse.ArgumentParser(prog="specdecode")
+    register(parser.add_subparsers(dest="command"))
+    command = vars(parser.parse_args(["bench"]))
+    mine = vars(_bench_args())
+    set_by_the_api = {"request_timeout"}  # --endpoint's: the API measures in process only
+    assert set(mine) == set(command) - {"command", "func"}
+    assert {k: v for k, v in mine.items() if k not in set_by_the_api} == \
+        {k: command[k] for k in mine if k not in set_by_the_api}

@@ -69,7 +69,7 @@ def test_invariant_audit_checks_identity_per_seed(
     ok = audit_sampled(target, [5, 7, 3, 8], invariant, lambda: DraftModelDrafter(draft), 2,
                        samples=100, tokens=4)
     assert ok.passed and ok.identical == 100 and "100/100 seeds" in ok.render()
-    monkeypatch.setattr(engine.Generation, "position", property(lambda g: g.counters.steps))
+    monkeypatch.setattr(engine, "output_position", lambda g: g.counters.steps)
     broken = audit_sampled(target, [5, 7, 3, 8], invariant, lambda: DraftModelDrafter(draft), 2,
                            samples=100, tokens=4)
     assert not broken.passed and broken.identical is not None and broken.identical < 100

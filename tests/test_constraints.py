@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import specdecode.sampling as sampling
+import specdecode.verification as verification
 from specdecode.constraints import (
     Constraint,
     ConstraintSpec,
@@ -306,7 +307,7 @@ def _q_unmasked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _p_unmasked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken: the target's p is computed without the mask (q keeps it)."""
-    monkeypatch.setattr(Generation, "_row_masks", lambda self, draft: None)
+    monkeypatch.setattr(verification, "row_masks", lambda matcher, draft: None)
 
 
 def _no_rollback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -103,7 +103,7 @@ def test_the_engine_reports_what_was_accepted_after_every_step(
     check_feedback(gen, drafter)
     request = drafter.requests[0]
     assert request.k == 3 and request.prompt_len == len(PROMPTS[0])
-    assert request.params is params and request.generator is gen.generator
+    assert request.params is params and request.generator is gen.verifier.generator
     assert request.model_k is None  # no controller
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from specdecode.drafters.registry import drafter_factory
-from specdecode.engine import Generation
+from specdecode.engine import Generation, draft_rows
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
 from tests.conftest import record_feeds
@@ -93,15 +93,15 @@ def test_wrong_drafter_is_caught_by_the_identity_check(
     """The identity test can fail: accepting every draft token (no verification) changes text."""
     ids, expected = plain
     gen = _run(smollm, ids, ScriptedDrafter(expected, len(ids), "wrong"), 4)
-    import specdecode.engine as engine
+    import specdecode.verification as verification
 
-    original = engine.verify_greedy
+    original = verification.verify_greedy
     try:
-        engine.verify_greedy = lambda target, draft: original(draft.new_tensor(  # type: ignore
-            [*draft.tolist(), int(target[-1])]), draft)
+        verification.verify_greedy = lambda target, draft: original(  # type: ignore
+            draft.new_tensor([*draft.tolist(), int(target[-1])]), draft)
         broken = _run(smollm, ids, ScriptedDrafter(expected, len(ids), "wrong"), 4)
     finally:
-        engine.verify_greedy = original
+        verification.verify_greedy = original
     assert gen.output == expected and broken.output != expected
 
 
@@ -126,7 +126,7 @@ def test_quantized_copy_drafts_in_the_targets_cache(
                          drafter, 3, smollm.tokenizer.eos_ids)
         gen.prefill()
         length = gen.cache.lengths[0]
-        draft = gen.propose()
+        draft = draft_rows([gen])[0]
         assert len(draft.tokens) == 3 and gen.cache.lengths[0] == length
         assert (seen == [(1, 1)] * 3) is shared  # own cache: the prompt first
         assert (drafter.cache is None) is shared

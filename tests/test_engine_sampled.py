@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-import specdecode.engine as engine
+import specdecode.verification as verification
 from specdecode.audit_stats import chi_square_gof, required_samples
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.faults import FAULTS, FaultyDrafter
@@ -156,7 +156,7 @@ def test_broken_variants_are_caught(
 ) -> None:
     target, draft, other = models
     if fault == "no-residual":
-        monkeypatch.setattr(engine, "verify_chain", _no_residual)
+        monkeypatch.setattr(verification, "verify_chain", _no_residual)
         make = lambda: DraftModelDrafter(draft)  # noqa: E731
     else:
         make = lambda: FaultyDrafter(draft, fault, other)  # noqa: E731

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-import specdecode.engine as engine
+import specdecode.verification as verification
 from specdecode.drafters.base import EMPTY, Draft, Drafter, DraftRequest
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import BatchEngine, Generation, fit_width, run_batch
@@ -105,8 +105,9 @@ def test_greedy_tree_is_token_identical_at_batch_1(models: Any, k: int) -> None:
 
 
 def test_greedy_tree_with_penalties_reads_each_nodes_own_path(models: Any) -> None:
-    """Penalties count the tokens of a node's own path, not its siblings' (engine.tree_logits):
-    with a repetition penalty the oracle's wrong siblings would otherwise move the argmax."""
+    """Penalties count the tokens of a node's own path, not its siblings'
+    (verification.tree_logits): with a repetition penalty the oracle's wrong siblings would
+    otherwise move the argmax."""
     target = models[0]
     params = SamplingParams(max_tokens=TOKENS, repetition_penalty=1.8, frequency_penalty=0.7)
     prompt = PROMPTS[2]
@@ -332,7 +333,7 @@ def test_broken_tree_verifiers_are_rejected(models: Any, broken: str,
     target, draft = models[2], models[3]
     verifier = independent_chains_verifier if broken == "independent-chains" else \
         rule_tree_verifier(not_updated)
-    monkeypatch.setattr(engine, "verify_tree", verifier)
+    monkeypatch.setattr(verification, "verify_tree", verifier)
     counts = tree_pairs(target, lambda: TreeSampler(draft, (3,)), 1, SAMPLES)
     assert gof_p_value(counts, exact_pairs(target, PARAMS)) < FALSE_ALARM
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import specdecode.engine as engine
+import specdecode.verification as verification
 from specdecode.audit_stats import chi_square_gof
 from specdecode.control import Controller
 from specdecode.drafters.base import Drafter
@@ -222,8 +223,7 @@ def test_noise_keyed_by_step_breaks_identity(
     """Broken variant: the noise of a step's rows counted from the step index, not the output
     position. Plain decoding (one token a step) cannot tell; speculation can."""
     target, draft = pair
-    monkeypatch.setattr(engine.Generation, "position",
-                        property(lambda self: self.counters.steps))
+    monkeypatch.setattr(engine, "output_position", lambda gen: gen.counters.steps)
     w4a16 = drafters(target, draft)["w4a16"]
     runs = [(prompt, dataclasses.replace(params, seed=5)) for prompt in PROMPTS
             for params in SETTINGS]
@@ -277,7 +277,7 @@ def test_the_pipeline_applied_to_q_only_is_caught(
         models: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Broken variant: the verifier takes the target's raw logits, not the processed ones."""
     target, draft, _ = models
-    monkeypatch.setattr(engine, "process_logits",
+    monkeypatch.setattr(verification, "process_logits",
                         lambda logits, *args, **kwargs: logits.to(torch.float32))
     counts = observed_pairs(target, lambda: DraftModelDrafter(draft), 3, SAMPLES, INVARIANT)
     assert gof_p_value(counts, exact_pairs(target, INVARIANT)) < FALSE_ALARM

@@ -57,6 +57,7 @@ RULES: tuple[tuple[str, tuple[str, ...], str], ...] = (
                 "constraints", "calibration", "audit", "bench", "server", "train", "cli", "api"),
      "models know nothing of speculation"),
     ("train", ("cli", "api", "bench", "server"), "training sits below the command line"),
+    ("api", ("cli",), "the command line builds on the API, not the reverse"),
     ("machine", ("bench",), "the machine's description is below the reports that state it"),
 )
 

@@ -238,11 +238,11 @@ def test_sampled_speculation_has_the_target_distribution(tiny: Any, k: int) -> N
 @pytest.mark.statistical
 def test_sampled_broken_verifier_is_rejected(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the verifier without the residual distribution, on this backend."""
-    import specdecode.engine as engine
+    import specdecode.verification as verification
     from tests.test_engine_sampled import _no_residual
 
     target, draft = tiny
-    monkeypatch.setattr(engine, "verify_chain", _no_residual)
+    monkeypatch.setattr(verification, "verify_chain", _no_residual)
     counts = _pairs(target, lambda: DraftModelDrafter(draft), 2)
     assert gof_p_value(counts, exact_pairs(target, PARAMS)) < FALSE_ALARM
 

@@ -22,12 +22,16 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from specdecode.counters import Counters
 from specdecode.drafters.options import DEFAULT_KMAX, DrafterOptions
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import K_RANGE
+
+if TYPE_CHECKING:
+    from specdecode.constraints import ConstraintSpec
+    from specdecode.sampling import SamplingParams
 
 
 @dataclass
@@ -65,11 +69,32 @@ class GenerateResult:
 
 
 @dataclass
-class _Stream:
-    """The pieces of text of one generation as they are produced, and the result at the end."""
+class Stream:
+    """One generation under way: iterating it gives the pieces of its text as they are
+    produced; `result` is set once it has ended."""
 
     pieces: Iterator[str]
     result: GenerateResult | None = field(default=None)
+
+    def __iter__(self) -> Iterator[str]:
+        return self.pieces
+
+
+def sampling_params(*, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    stop: Sequence[str] | str = (), seed: int | None = None,
+                    rule: str = "invariant") -> SamplingParams:
+    """SamplingParams from the API's keyword options (the command line's flags), checked."""
+    from specdecode.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed, max_tokens=max_tokens,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop), rule=rule)
+    params.validate()
+    return params
 
 
 def load(
@@ -145,7 +170,6 @@ class Specdecode:
         self.loaded = load_model(self.model_spec, precision, backend)
         tok = self.loaded.tokenizer
         self._factory = drafter_factory(self.options, self.loaded.model, tokenizer=tok)
-        self._eos = tuple(sorted(set(tok.eos_ids) | set(self.loaded.model.cfg.eos_token_ids)))
 
     @property
     def drafter(self) -> str:
@@ -172,59 +196,47 @@ class Specdecode:
 
     # ---------------------------------------------------------------------------- generate
 
-    def generate(self, prompt: str, *, chat: bool = False, max_tokens: int = 128,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 stop: Sequence[str] = (), seed: int | None = None,
-                 rule: str = "invariant") -> GenerateResult:
+    def generate(self, prompt: str, *, chat: bool = False, constraint: ConstraintSpec | None = None,
+                 **sampling: Any) -> GenerateResult:
         """Generate from `prompt` (with the model's chat template when `chat`) until EOS, a stop
-        string or `max_tokens`. temperature 0 is greedy: token-identical to plain decoding.
+        string or `max_tokens`, under a structured-output `constraint` if given
+        (specdecode.constraints: json_schema_spec, regex_spec, grammar_spec). The sampling
+        options (`sampling_params`: temperature, top_k, top_p, min_p, penalties, stop, seed,
+        max_tokens, rule) default to greedy, which is token-identical to plain decoding.
         Sampled, under rule "invariant", the tokens are plain decoding's for the seed (the
         result's `seed`, drawn when none is given), whatever the drafter; "residual" is the
         standard rejection rule (docs/design.md)."""
-        stream = self._stream(prompt, chat=chat, max_tokens=max_tokens,
-                              temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repetition_penalty=repetition_penalty,
-                              presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, stop=stop, seed=seed,
-                              rule=rule)
-        for _ in stream.pieces:
+        stream = self.start(prompt, sampling_params(**sampling), chat=chat, constraint=constraint)
+        for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
-    def stream(self, prompt: str, **options: Any) -> Iterator[str]:
-        """The text of `generate(prompt, **options)` piece by piece, as it is produced."""
-        return self._stream(prompt, **options).pieces
+    def stream(self, prompt: str, *, chat: bool = False, constraint: ConstraintSpec | None = None,
+               **sampling: Any) -> Iterator[str]:
+        """The text of `generate(prompt, ...)` piece by piece, as it is produced."""
+        return iter(self.start(prompt, sampling_params(**sampling), chat=chat,
+                               constraint=constraint))
 
-    def _stream(self, prompt: str, *, chat: bool = False, max_tokens: int = 128,
-                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                min_p: float = 0.0, repetition_penalty: float = 1.0,
-                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                stop: Sequence[str] = (), seed: int | None = None,
-                rule: str = "invariant") -> _Stream:
+    def start(self, prompt: str, params: SamplingParams, *, chat: bool = False,
+              constraint: ConstraintSpec | None = None) -> Stream:
+        """One generation with checked sampling `params`, under way: iterate the returned Stream
+        for its text, then read its `result` (what `specdecode generate` runs)."""
+        from specdecode.constraints import compile_constraint
         from specdecode.engine import Generation
-        from specdecode.sampling import SamplingParams
 
         if not isinstance(prompt, str):
             raise SpecDecodeError(f"prompt must be a string, got {type(prompt).__name__}")
-        if isinstance(stop, str):
-            stop = (stop,)
-        params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed, max_tokens=max_tokens,
-            stop=tuple(stop), rule=rule)
-        params.validate()
-        tok, model = self.loaded.tokenizer, self.loaded.model
+        tok, model, eos = self.loaded.tokenizer, self.loaded.model, self.loaded.eos_ids
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        bound = None if constraint is None else compile_constraint(
+            constraint, tok, model.cfg.vocab_size, eos)
         factory = self._factory
         gen = Generation(model, tok, tok.encode_prompt(text), params,
-                         factory() if factory else None, self.k, self._eos)
-        steps = auto_steps(self.loaded, gen, self.options.max_step_cost) if self.auto and factory \
-            else gen.run()
-        stream = _Stream(iter(()))
+                         factory() if factory else None, self.k, eos, constraint=bound)
+        auto = self.auto and factory is not None
+        steps = auto_steps(self.loaded, gen, self.options.max_step_cost) if auto else gen.run()
+        stream = Stream(iter(()))
 
         def pieces() -> Iterator[str]:
             start = time.perf_counter()
@@ -297,12 +309,19 @@ class Specdecode:
 
 
 def _bench_args() -> argparse.Namespace:
-    """`specdecode bench`'s arguments at their defaults, from its own parser."""
-    from specdecode.cli.bench import register
+    """`specdecode bench`'s arguments (bench.plan reads them) as the API runs it: in process, on
+    one target, with no constraint flags, and every other one at the command's default
+    (tests/test_api.py holds this to the command line's parser, which the API does not import:
+    the command line builds on the API, not the reverse)."""
+    from specdecode.bench.plan import DEFAULT_AUDIT_SAMPLES
 
-    parser = argparse.ArgumentParser(prog="specdecode")
-    register(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench"])
+    return argparse.Namespace(
+        model=None, precision="fp32", backend="auto", threads=None, no_chat_template=False,
+        workload=None, specbench=None, categories=None, strict=False, json_schema=None,
+        regex=None, grammar=None, limit_per_category=None, configs=None, targets=None,
+        fidelity=None, batch_sizes="1", max_tokens=None, audit_samples=DEFAULT_AUDIT_SAMPLES,
+        resume=False, endpoint=None, api_key=None, request_timeout=None, out=None, seed=0,
+        resamples=None, quiet=False)
 
 
 def auto_steps(loaded: Any, gen: Any, max_step_cost: float | None = None) -> Iterator[Any]:

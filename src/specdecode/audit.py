@@ -24,7 +24,7 @@ from typing import Any
 from specdecode.audit_stats import chi_square_homogeneity, required_samples, tv_two_sample
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.engine import Generation
+from specdecode.engine import Generation, adopt_prefill
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import AUDIT_POWER, AUDIT_REAL_TV
 from specdecode.sampling import SamplingParams
@@ -79,7 +79,7 @@ def _generate(model: Any, prompt: list[int], params: SamplingParams, drafter: Dr
               constraint: Any = None) -> Generation:
     gen = Generation(model, None, prompt, params, drafter, k, eos, constraint=constraint)
     if template is not None:
-        gen.adopt_prefill(template)
+        adopt_prefill(gen, template)
     for _ in gen.run():
         pass
     gen.release()

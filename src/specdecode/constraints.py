@@ -288,6 +288,26 @@ class Matcher:
         del self._masks[:n]
         return n
 
+    def take_step(self, committed: list[int], eos_ids: frozenset[int], room: int
+                  ) -> tuple[list[int], list[int], bool]:
+        """After a verified step: commit its tokens (rolling back the rest of the draft), then
+        take the tokens the grammar forces (the only one allowed: the target's constrained
+        distribution is that token with probability 1, so it is emitted without being
+        scored), at most `room` of them, up to an EOS. Returns the committed tokens taken, the
+        forced ones, and whether the request reached a dead end (a token refused, or nothing
+        allowed after them and no EOS)."""
+        taken = self.commit(committed)
+        forced: list[int] = []
+        if taken == len(committed) and not eos_ids.intersection(committed):
+            while len(forced) < room and (tok := self.forced()) is not None:
+                self.commit([tok])
+                forced.append(tok)
+                if tok in eos_ids:
+                    break
+        ended = eos_ids.intersection(committed + forced)
+        dead = taken < len(committed) or (not ended and self.dead())
+        return committed[:taken], forced, dead
+
     def rollback(self) -> None:
         """Drop the speculative path: back to the committed state."""
         if self.path:

@@ -1,39 +1,40 @@
 """The engine: one speculative step is five moves, always in this order.
 
-1. propose  - the drafter proposes up to k tokens (and the q they were drawn from, if any);
-              a quantized copy of the target drafts in the target's own cache, a batch's rows
-              together (draft_rows, draft_in_cache);
-2. score    - the target scores [pending token, draft...] in ONE forward pass: k+1 rows of p;
-3. verify   - a pure function keeps a prefix and draws the recovered or bonus token;
-4. commit   - the target cache rolls back to the kept prefix by moving its length (no copy);
-              the drafter re-syncs on the next propose from the committed context;
-5. observe  - integer counters and per-phase times are updated.
+1. propose  - the drafter proposes up to k tokens (and the q they were drawn from, if any), a
+              chain or a token tree (Draft.parents); a quantized copy of the target drafts in
+              the target's own cache, a batch's rows together (draft_rows, draft_in_cache);
+2. score    - the target scores [pending token, draft...] in ONE forward pass (a tree's nodes
+              under a tree mask: trees.layout): k+1 rows of p;
+3. verify   - a pure function keeps a prefix (a tree: its longest accepted path) and draws the
+              recovered or bonus token (verification.Verifier picks it);
+4. commit   - the target cache rolls back to the kept prefix by moving its length (no copy; a
+              tree's path is compacted, Cache.keep); the drafter re-syncs on its next proposal
+              from the committed context;
+5. observe  - integer counters and per-phase times are updated; under --k auto the controller
+              learns from the step (control.Controller, its per-request state on the request).
 
 k = 0 (or no drafter) is plain autoregressive decoding through the same loop, so plain and
 speculative decoding share every line except the proposal.
 
 Cache invariant: the target cache holds every committed token except the last one (the pending
-token), whose logits the next step computes together with the draft.
+token), whose logits the next step computes together with the draft; tokens a structured-output
+constraint forced since are fed unscored before it (`unfed`).
 
-Drafters: the engine uses only what drafters.base.Drafter declares. Each step it asks for a
-proposal with a DraftRequest and, after verification, tells the drafter what was accepted
-(`observe_result`).
-
-Feature hook: a drafter with `wants_hidden` (the EAGLE-style heads drafter) also gets the
-target's hidden states through its `observe(hidden, start)`. The score move (and prefill)
-then run the target with return_hidden=True and apply its LM head here, which gives the same
-logits bit for bit, and commit hands the drafter the hidden rows of the positions it kept
-(the pending token and the accepted drafts). Other drafters are untouched.
+The engine uses a model and a cache only through models.target (Target, Cache) and a drafter
+only through drafters.base.Drafter: each step it asks for a proposal with a DraftRequest and,
+after verification, tells the drafter what was accepted (`observe_result`). A drafter with
+`wants_hidden` (the EAGLE-style heads) also gets the target's hidden states (`observe`): the
+score move then runs the target with return_hidden=True and applies its head here
+(Target.head), the same logits bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,15 +46,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.limits import MAX_K
 from specdecode.models.target import Cache, Target
 from specdecode.models.tokenizer import IncrementalDecoder, Tokenizer
-from specdecode.sampling import (
-    PositionNoise,
-    SamplingParams,
-    argmax_rows,
-    greedy_tokens,
-    probs_from_logits,
-    process_logits,
-    uses_history,
-)
+from specdecode.sampling import SamplingParams
 from specdecode.stopping import StopChecker
 from specdecode.trees import (
     best_path,
@@ -64,18 +57,8 @@ from specdecode.trees import (
     kept_slots,
     layout,
 )
-from specdecode.verify import (
-    TreeVerifyResult,
-    VerifyResult,
-    acceptance_probability,
-    tree_path,
-    verify_chain,
-    verify_greedy,
-    verify_invariant,
-    verify_tree,
-    verify_tree_greedy,
-    verify_tree_invariant,
-)
+from specdecode.verification import Verifier
+from specdecode.verify import TreeVerifyResult
 
 PREFILL_CHUNK = 256
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -90,14 +73,15 @@ class StepOutput:
     # (or DEAD_END: a constraint allows no next token)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A per-request generator: seeded when asked, otherwise from fresh OS entropy."""
-    gen = torch.Generator()
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
+@dataclass
+class RequestControl:
+    """The controller's per-request state, kept on the request: its running acceptance
+    estimate (from when it joins a controlled batch) and what its last step measured."""
+
+    estimate: AlphaEstimate | None = None
+    alphas: list[float] = field(default_factory=list)  # alpha samples of the last step
+    committed: int = 0  # tokens the last step committed (EOS included)
+    catch_up_ns: int = 0  # drafter time the last proposal spent catching up (see Controller)
 
 
 class Generation:
@@ -105,62 +89,46 @@ class Generation:
 
     Alone, it owns a batch-1 cache. In a BatchEngine, the engine adopts its prefilled cache into
     a row of the shared batch cache and runs the score move for all rows at once; the other moves
-    (propose, verify, commit, observe) stay here, per request.
+    (propose: draft_rows; verify, commit, observe: finish_step) stay per request.
     """
 
-    def __init__(
-        self,
-        model: Target,
-        tokenizer: Tokenizer | None,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        drafter: Drafter | None = None,
-        k: int = 0,
-        eos_ids: tuple[int, ...] = (),
-        category: str | None = None,
-        constraint: Constraint | None = None,
-    ) -> None:
+    def __init__(self, model: Target, tokenizer: Tokenizer | None, prompt_ids: list[int],
+                 params: SamplingParams, drafter: Drafter | None = None, k: int = 0,
+                 eos_ids: Sequence[int] = (), category: str | None = None,
+                 constraint: Constraint | None = None) -> None:
         params.validate(model.cfg.vocab_size)
         if not 0 <= k <= MAX_K:
             raise SpecDecodeError(f"k must be in 0..{MAX_K}, got {k}")
         _check_prompt(prompt_ids, params, model.cfg.max_position, k)
-        self.model, self.params, self.drafter = model, params, drafter
-        self.k = k if drafter is not None else 0
-        # token trees (Draft.parents): scored as trees on a target that can (the native
-        # runner's tree masks), else verified as their most likely path (trees.best_path)
+        self.model, self.params, self.drafter, self.category = model, params, drafter, category
+        self.k = self.next_k = k if drafter is not None else 0  # next_k: a controller's choice
+        self.model_k: int | None = None  # the controller's k for a fits_width drafter's model
+        # token trees: at most max_nodes; as trees where the target can, else trees.best_path
         self.max_nodes = drafter.tree_nodes(self.k) if drafter is not None and self.k else 0
-        if self.max_nodes and drafter is not None and drafter.wants_hidden:
+        self.wants_hidden = drafter is not None and drafter.wants_hidden  # observe features
+        if self.max_nodes and drafter is not None and self.wants_hidden:
             raise SpecDecodeError(f"the {drafter.name} drafter drafts token trees and observes "
                                   "hidden states: the engine supports one or the other")
         self.trees = self.max_nodes > 0 and model.supports_trees
-        self.next_k = self.k  # draft length of the next step; a controller may change it
-        self.model_k: int | None = None  # the controller's k for a fits_width drafter's model
-        self.category = category
-        # structured output: the request's grammar state (constraints.Matcher), or None
-        self.matcher = constraint.matcher() if constraint is not None else None
+        self.matcher = constraint.matcher() if constraint is not None else None  # its grammar
         self.eos_ids = frozenset(eos_ids) | frozenset(constraint.eos_ids if constraint else ())
-        self.unfed = 1  # trailing context tokens not in the cache: pending + forced ones
-        # a request without a seed gets one, recorded, so that any output can be reproduced
-        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.generator = make_generator(self.seed)
-        self.noise = None if params.greedy or params.rule != "invariant" else \
-            PositionNoise(self.seed)
-        self.prompt_len = len(prompt_ids)
-        self.context = list(prompt_ids)
+        self.verifier = Verifier.for_request(params, len(prompt_ids))  # seed, noise, generator
+        self.prompt_len, self.context = len(prompt_ids), list(prompt_ids)
         self.output: list[int] = []
+        self.unfed = 1  # trailing context tokens not in the cache: pending + forced ones
         self.capacity = len(prompt_ids) + params.max_tokens + max(self.k, self.max_nodes) + 1
         self.cache: Cache | None = None
         self.row = 0
+        self.prefilled_tokens = 0  # prompt tokens (all but the last) in the cache
         self.counters = Counters(prompt_tokens=len(prompt_ids))
+        self.control = RequestControl()
+        self.text = TextOut(tokenizer, params.stop)
         self.finish_reason: str | None = None
-        self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
-        self._stops = StopChecker(params.stop)
-        self._prefilled = 0  # prompt tokens (all but the last) already in the cache
-        # the drafter observes the target's features
-        self.wants_hidden = drafter is not None and drafter.wants_hidden
-        self.last_alphas: list[float] = []  # alpha samples of the last verified step
-        self.last_committed = 0  # tokens the last step committed (EOS included)
-        self.catch_up_ns = 0  # drafter time this step spent catching up (see Controller)
+
+    @property
+    def seed(self) -> int:
+        """The sampling seed (given, or drawn): passing it reproduces this output."""
+        return self.verifier.seed
 
     @property
     def kv(self) -> Cache:
@@ -171,43 +139,25 @@ class Generation:
 
     @property
     def prefilled(self) -> bool:
-        return self._prefilled >= self.prompt_len - 1
-
-    @property
-    def prefilled_tokens(self) -> int:
-        """Prompt tokens (all but the last) already in the cache."""
-        return self._prefilled
+        return self.prefilled_tokens >= self.prompt_len - 1
 
     def prefill(self, max_tokens: int | None = None) -> bool:
         """Feed up to `max_tokens` more prompt tokens (all but the last); True when done."""
         start = time.perf_counter_ns()
         if self.cache is None:
             self.cache = self.model.new_cache(1, self.capacity)
-        end = self.prompt_len - 1
-        if max_tokens is not None:
-            end = min(end, self._prefilled + max_tokens)
+        end = self.prompt_len - 1 if max_tokens is None else \
+            min(self.prompt_len - 1, self.prefilled_tokens + max_tokens)
         with torch.inference_mode():
-            for i in range(self._prefilled, end, PREFILL_CHUNK):
+            for i in range(self.prefilled_tokens, end, PREFILL_CHUNK):
                 chunk = torch.tensor([self.context[i : min(end, i + PREFILL_CHUNK)]])
-                if self.wants_hidden:
-                    hidden = self.model(chunk, self.cache, return_hidden=True)[0]  # (T, H)
-                    self.drafter.observe(hidden, i)  # type: ignore[union-attr]
+                if self.drafter is not None and self.wants_hidden:
+                    self.drafter.observe(self.model(chunk, self.cache, return_hidden=True)[0], i)
                 else:
                     self.model(chunk, self.cache, logits_for="none")
-        self._prefilled = end
+        self.prefilled_tokens = end
         self.counters.prefill_ns += time.perf_counter_ns() - start
         return self.prefilled
-
-    def adopt_prefill(self, template: Generation) -> None:
-        """Start from `template`'s prefilled cache (same prompt) instead of prefilling again."""
-        if template.context[: self.prompt_len] != self.context or not template.prefilled or \
-                template.cache is None or not template.cache.copies_rows or self.wants_hidden:
-            self.prefill()
-            return
-        n = self.prompt_len - 1
-        self.cache = self.model.new_cache(1, self.capacity)
-        self.cache.copy_row(0, template.kv, template.row, n)
-        self._prefilled = n
 
     def step(self) -> StepOutput:
         """One whole speculative step on this request's own cache."""
@@ -215,7 +165,7 @@ class Generation:
             return StepOutput([], "", self.finish_reason)
         if not self.prefilled:
             self.prefill()
-        draft = self.propose()  # 1. propose
+        draft = draft_rows([self])[0]  # 1. propose (timed into the counters)
         t1 = time.perf_counter_ns()
         fed = self.fed(draft)[None]
         logits, hidden = score(self.model, fed, self.kv, self.wants_hidden,
@@ -228,191 +178,50 @@ class Generation:
         constraint forced since the last step: unscored), then the draft."""
         return torch.cat([torch.tensor(self.context[-self.unfed:]), draft.tokens])
 
-    def propose(self) -> Draft:
-        """This request's draft for its next step (timed into its counters)."""
-        return draft_rows([self])[0]
-
-    def begin_draft(self) -> Draft | Rounds:
-        """Start proposing: the draft, or, for a drafter that drafts in the target's cache
-        (Drafter.cache_model), its rounds for draft_in_cache to run."""
-        self.catch_up_ns = 0  # a drafter's one-off catching up with the context, this step
-        k = self._draft_budget()
-        if self.drafter is None or k <= 0:
-            return Draft(_EMPTY, None)
-        request = DraftRequest(ids_tensor(self.context), k, self.params, self.prompt_len,
-                               self.generator, self.model_k, self.noise, self.position,
-                               self.matcher, self.unfed, self.max_nodes)
-        if self.drafter.cache_model is not None and self.cache is not None and \
-                self.cache.holds_tensors:
-            return self.drafter.rounds(request)
-        with torch.inference_mode():
-            draft = self.drafter.propose(request)
-        self.catch_up_ns = self.drafter.catch_up_ns
-        return draft
-
-    def end_draft(self, draft: Draft) -> Draft:
-        """The draft cut to this step's budget, as the verifier takes it: a tree is checked
-        (a malformed one is refused), cut to the budget's depth, and taken as its most likely
-        path where it cannot be scored as a tree (a target without tree masks, or a
-        constraint, whose matcher follows one path)."""
-        draft = dataclasses.replace(draft, tokens=draft.tokens.to(torch.long))
-        if draft.parents is not None:
-            name = self.drafter.name if self.drafter is not None else "?"
-            check_tree_draft(draft, self.model.cfg.vocab_size, self.max_nodes, name)
-            if not self.trees or self.matcher is not None:
-                draft = best_path(draft)
-        draft = cut(draft, self._draft_budget())
-        return draft if self.matcher is None else constrain_draft(draft, self.matcher)
-
-    @property
-    def position(self) -> int:
-        """The output position of the next token (the first draft token, or the one sampled):
-        what the position-keyed noise is keyed by."""
-        return len(self.context) - self.prompt_len
-
-    def _draft_budget(self) -> int:
-        return min(self.next_k, self.params.max_tokens - len(self.output) - 1)
-
     def finish_step(self, logits: torch.Tensor, draft: Draft,
                     hidden: torch.Tensor | None = None) -> StepOutput:
         """Moves 3-5 for this request, given the target's (unfed + k, V) logits of this step
         (and its hidden states when the drafter observes them): rows for the unfed tokens
         before the pending one (forced by a constraint) are not scored."""
-        c = self.counters
-        forced_fed = self.unfed - 1
-        logits = logits[forced_fed:]
+        c, forced_fed, base = self.counters, self.unfed - 1, len(self.context) - 1
         t2 = time.perf_counter_ns()
-        result, alphas = self._verify(logits, draft)  # 3. verify
+        result, alphas = self.verifier.verify(logits[forced_fed:], draft, self.context,
+                                              output_position(self), self.matcher)  # 3. verify
         t3 = time.perf_counter_ns()
-        base = len(self.context) - 1
+        accepted, committed = result.num_accepted, result.tokens.tolist()
         if isinstance(result, TreeVerifyResult):  # 4. commit: the path's KV, compacted
             self.kv.keep(self.row, base + 1 - self.unfed, kept_slots(self.unfed, result.path))
         else:  # a chain: move the length back
-            self.kv.rollback(self.row, base + 1 + result.num_accepted)
-        committed = result.tokens.tolist()
+            self.kv.rollback(self.row, base + 1 + accepted)
         if self.drafter is not None:
             if hidden is not None and self.wants_hidden:  # features of the kept positions
-                self.drafter.observe(hidden[: forced_fed + result.num_accepted + 1],
-                                     base - forced_fed)
-            self.drafter.observe_result(draft, result.num_accepted, committed)
-        end = None
-        if self.matcher is not None:
-            committed, forced, end = self._constrain_commit(committed)
-            c.forced += len(forced)
-            c.mask_ns = self.matcher.mask_ns
-            committed = committed + forced
-            self.unfed = 1 + len(forced)
-        out = self._emit(committed, end)
-        c.record_step(len(draft.tokens), result.num_accepted, len(out.tokens))  # 5. observe
-        self.last_committed = result.num_accepted + 1
+                self.drafter.observe(hidden[: forced_fed + accepted + 1], base - forced_fed)
+            self.drafter.observe_result(draft, accepted, committed)
+        dead = False
+        if self.matcher is not None:  # structured output: the tokens the grammar forces next
+            room = self.params.max_tokens - len(self.output) - len(committed)
+            committed, forced, dead = self.matcher.take_step(committed, self.eos_ids, room)
+            c.forced, c.mask_ns = c.forced + len(forced), self.matcher.mask_ns
+            committed, self.unfed = committed + forced, 1 + len(forced)
+        out = self._emit(committed, DEAD_END if dead else None)
+        c.record_step(len(draft.tokens), accepted, len(out.tokens))  # 5. observe
         c.record_alpha(alphas)
-        self.last_alphas = alphas
+        self.control.alphas, self.control.committed = alphas, accepted + 1
         c.verify_ns += t3 - t2
         c.other_ns += time.perf_counter_ns() - t3
         return out
 
-    def _constrain_commit(self, committed: list[int]) -> tuple[list[int], list[int], str | None]:
-        """Structured output: advance the matcher by the committed tokens (rolling back the
-        rest of the draft), then take the tokens it forces (the only one allowed: the
-        target's constrained distribution is that token with probability 1, so it is emitted
-        without being scored). Returns (committed, forced, DEAD_END or None)."""
-        assert self.matcher is not None
-        taken = self.matcher.commit(committed)
-        forced: list[int] = []
-        if taken == len(committed) and not self.eos_ids.intersection(committed):
-            room = self.params.max_tokens - len(self.output) - len(committed)
-            while len(forced) < room and (tok := self.matcher.forced()) is not None:
-                self.matcher.commit([tok])
-                forced.append(tok)
-                if tok in self.eos_ids:
-                    break
-        ended = self.eos_ids.intersection(committed + forced)
-        dead = taken < len(committed) or (not ended and self.matcher.dead())
-        return committed[:taken], forced, DEAD_END if dead else None
-
-    def _row_masks(self, draft: Draft) -> torch.Tensor | None:
-        """The constraint's (k+1, V) masks of this step's rows (after context ++ draft[:t])."""
-        return None if self.matcher is None else self.matcher.masks(draft.tokens.tolist())
-
-    def _verify(self, logits: torch.Tensor, draft: Draft
-                ) -> tuple[VerifyResult | TreeVerifyResult, list[float]]:
-        """Verification plus the per-position alpha samples sum_x min(p, q) it evaluated."""
-        if draft.parents is not None:
-            return self._verify_tree(logits, draft)
-        k = len(draft.tokens)
-        allowed = self._row_masks(draft)
-        if self.params.greedy:  # the context only where penalties read it (uses_history)
-            history = ids_tensor(self.context) if uses_history(self.params) else _EMPTY
-            target = greedy_tokens(logits, self.params, history, min(self.prompt_len,
-                                   len(history)), draft.tokens, allowed)
-            result = verify_greedy(target, draft.tokens)
-            seen = min(result.num_accepted + 1, k)
-            return result, [float(target[i] == draft.tokens[i]) for i in range(seen)]
-        ctx = ids_tensor(self.context)
-        if self.noise is not None:  # rule "invariant": the target's Gumbel-max tokens
-            x = process_logits(logits, self.params, ctx, self.prompt_len, draft.tokens, allowed)
-            noise, first, vocab = self.noise, self.position, x.shape[-1]
-            result = verify_invariant(x, draft.tokens, lambda i: noise.gumbel(first + i, vocab))
-            seen = min(result.num_accepted + 1, k)
-            return result, [float(result.tokens[i] == draft.tokens[i]) for i in range(seen)]
-        p = probs_from_logits(logits, self.params, ctx, self.prompt_len, draft.tokens, allowed)
-        result = verify_chain(p, draft.q, draft.tokens, self.generator)
-        seen = min(result.num_accepted + 1, k)
-        if draft.q is None:
-            rows = torch.arange(seen)
-            return result, p[rows, draft.tokens[:seen]].tolist()
-        return result, acceptance_probability(p[:seen], draft.q[:seen]).tolist()
-
-    def _verify_tree(self, logits: torch.Tensor, draft: Draft
-                     ) -> tuple[TreeVerifyResult, list[float]]:
-        """A tree's verification (greedy, rule "invariant" or rule "residual": verify_tree*), on
-        the (n + 1, V) logits of its root and nodes, each processed after its own path (the
-        penalties count the path's tokens, not the siblings'). Alpha samples: 1 per accepted
-        node, then 0 where the path ended with nodes left below it."""
-        parents, tokens = draft.parents, draft.tokens
-        assert parents is not None
-        x = tree_logits(logits, self.params, ids_tensor(self.context), self.prompt_len, draft)
-        result: TreeVerifyResult
-        if self.params.greedy:
-            result = verify_tree_greedy(argmax_rows(x), parents, tokens)
-        elif self.noise is not None:
-            noise, first, vocab = self.noise, self.position, x.shape[-1]
-            result = verify_tree_invariant(x, parents, tokens,
-                                           lambda d: noise.gumbel(first + d, vocab))
-        else:
-            result = verify_tree(torch.softmax(x, dim=-1), parents, tokens, draft.q,
-                                 self.generator)
-        m = result.num_accepted
-        last = int(result.path[-1]) if m else -1
-        rejected = any(int(p) == last for p in parents.tolist())
-        return result, [1.0] * m + ([0.0] if rejected else [])
-
     def _emit(self, tokens: list[int], end: str | None = None) -> StepOutput:
         """Commit tokens to the context; stop at EOS, max_tokens or a stop string, else with
         `end` if given."""
-        emitted: list[int] = []
-        reason: str | None = None
-        for tok in tokens:
-            if tok in self.eos_ids:
-                reason = "stop"
-                break
-            emitted.append(tok)
-            if len(self.output) + len(emitted) >= self.params.max_tokens:
-                reason = "length"
-                break
+        room = self.params.max_tokens - len(self.output)
+        emitted, reason = until_stop(tokens, self.eos_ids, room)
         reason = reason if reason is not None else end
         self.context.extend(tokens)
         self.output.extend(emitted)
-        text = ""
-        if self._decoder is not None:
-            update = self._stops.feed(self._decoder.push(emitted))
-            text = update.text
-            if update.stopped:
-                reason = "stop"
-            elif reason is not None:
-                text += self._stops.flush()
-        self.finish_reason = reason
-        return StepOutput(emitted, text, reason)
+        text, stopped = self.text.push(emitted, ending=reason is not None)
+        self.finish_reason = "stop" if stopped else reason
+        return StepOutput(emitted, text, self.finish_reason)
 
     def run(self) -> Iterator[StepOutput]:
         while self.finish_reason is None:
@@ -423,6 +232,96 @@ class Generation:
         self.cache = None
         if self.drafter is not None:
             self.drafter.reset()
+
+
+def until_stop(tokens: list[int], eos_ids: frozenset[int], room: int
+               ) -> tuple[list[int], str | None]:
+    """The tokens of `tokens` emitted before an EOS or after `room` of them, and why it stopped
+    there ("stop", "length"; None: it did not)."""
+    for i, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return tokens[:i], "stop"
+        if i + 1 >= room:
+            return tokens[: i + 1], "length"
+    return list(tokens), None
+
+
+class TextOut:
+    """The text of a request's emitted tokens as it may be shown: decoded incrementally, with
+    any text that could begin a stop string held back until it cannot (no text without a
+    tokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str]) -> None:
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.stops = StopChecker(stop)
+
+    def push(self, tokens: list[int], ending: bool) -> tuple[str, bool]:
+        """The text to show after `tokens` (all of it when the request is `ending`), and
+        whether a stop string ended the request."""
+        if self.decoder is None:
+            return "", False
+        update = self.stops.feed(self.decoder.push(tokens))
+        if update.stopped:
+            return update.text, True
+        return update.text + (self.stops.flush() if ending else ""), False
+
+
+def adopt_prefill(gen: Generation, template: Generation) -> None:
+    """Start `gen` from `template`'s prefilled cache (the same prompt) instead of prefilling
+    it again, where the cache copies rows; else prefill it."""
+    if template.context[: gen.prompt_len] != gen.context or not template.prefilled or \
+            template.cache is None or not template.cache.copies_rows or gen.wants_hidden:
+        gen.prefill()
+        return
+    n = gen.prompt_len - 1
+    gen.cache = gen.model.new_cache(1, gen.capacity)
+    gen.cache.copy_row(0, template.kv, template.row, n)
+    gen.prefilled_tokens = n
+
+
+def begin_draft(gen: Generation) -> Draft | Rounds:
+    """Start `gen`'s proposal: the draft, or, for a drafter that drafts in the target's cache
+    (Drafter.cache_model), its rounds for draft_in_cache to run."""
+    gen.control.catch_up_ns = 0  # a drafter's one-off catching up with the context, this step
+    k = draft_budget(gen)
+    if gen.drafter is None or k <= 0:
+        return Draft(_EMPTY, None)
+    verifier = gen.verifier
+    request = DraftRequest(ids_tensor(gen.context), k, gen.params, gen.prompt_len,
+                           verifier.generator, gen.model_k, verifier.noise,
+                           output_position(gen), gen.matcher, gen.unfed, gen.max_nodes)
+    if gen.drafter.cache_model is not None and gen.kv.holds_tensors:
+        return gen.drafter.rounds(request)
+    with torch.inference_mode():
+        draft = gen.drafter.propose(request)
+    gen.control.catch_up_ns = gen.drafter.catch_up_ns
+    return draft
+
+
+def end_draft(gen: Generation, draft: Draft) -> Draft:
+    """The draft cut to this step's budget, as the verifier takes it: a tree is checked (a
+    malformed one is refused), cut to the budget's depth, and taken as its most likely path
+    where it cannot be scored as a tree (a target without tree masks, or a constraint, whose
+    matcher follows one path)."""
+    draft = dataclasses.replace(draft, tokens=draft.tokens.to(torch.long))
+    if draft.parents is not None:
+        name = gen.drafter.name if gen.drafter is not None else "?"
+        check_tree_draft(draft, gen.model.cfg.vocab_size, gen.max_nodes, name)
+        if not gen.trees or gen.matcher is not None:
+            draft = best_path(draft)
+    draft = cut(draft, draft_budget(gen))
+    return draft if gen.matcher is None else constrain_draft(draft, gen.matcher)
+
+
+def output_position(gen: Generation) -> int:
+    """The output position of `gen`'s next token (the first draft token, or the one sampled):
+    what the position-keyed noise of rule "invariant" is keyed by, for drafter and verifier."""
+    return len(gen.context) - gen.prompt_len
+
+
+def draft_budget(gen: Generation) -> int:
+    """The most tokens `gen`'s next step may draft: its k for the step, within max_tokens."""
+    return min(gen.next_k, gen.params.max_tokens - len(gen.output) - 1)
 
 
 class BatchEngine:
@@ -445,7 +344,6 @@ class BatchEngine:
         self.active: list[Generation] = []  # active[i] decodes in cache row i
         self.joining: deque[Generation] = deque()  # prefilling in their own caches
         self.waiting: deque[Generation] = deque()  # queued until a row is free
-        self.alphas: dict[int, AlphaEstimate] = {}
 
     def submit(self, gen: Generation) -> None:
         """Queue a request; refused with a clear message if it can never fit a cache row."""
@@ -471,7 +369,6 @@ class BatchEngine:
             self.waiting.remove(gen)
         gen.finish_reason = gen.finish_reason or "cancelled"
         gen.release()
-        self.alphas.pop(id(gen), None)
 
     def step(self) -> list[tuple[Generation, StepOutput]]:
         """Admit and prefill one chunk, then one speculative step for every active request."""
@@ -497,7 +394,6 @@ class BatchEngine:
             if out.finish_reason is not None:
                 self._leave(gen)
                 gen.release()
-                self.alphas.pop(id(gen), None)
         return outputs
 
     def _admit(self) -> None:
@@ -526,7 +422,7 @@ class BatchEngine:
         self.active.append(gen)
         if self.controller is not None:  # seeded now, not when queued: the category's
             # estimate has learned from every step run while this request waited
-            self.alphas[id(gen)] = self.controller.new_estimate(gen.category)
+            gen.control.estimate = self.controller.new_estimate(gen.category)
 
     def _leave(self, gen: Generation) -> None:
         """Free gen's row, moving the last active row into it to keep rows 0..n-1 dense."""
@@ -548,7 +444,7 @@ class BatchEngine:
         acceptance better than a running alpha."""
         if self.controller is None:
             return [g.k for g in self.active]
-        ks = self.controller.choose([self.alphas[id(g)] for g in self.active])
+        ks = self.controller.choose([_estimate(g) for g in self.active])
         if not self.controller.allows(len(self.active)):  # held off: no drafter drafts
             return [0] * len(ks)
         for k, g in zip(ks, self.active, strict=True):
@@ -570,7 +466,7 @@ class BatchEngine:
         """What the step just run measured, for the controller: `times` are the nanosecond
         clocks at its start, before proposing, before scoring, and after every row's commit."""
         began, proposing, scoring, end = times
-        catch_up = sum(g.catch_up_ns for g in self.active)  # one-off: not a cost per token
+        catch_up = sum(g.control.catch_up_ns for g in self.active)  # one-off: not a cost per token
         # the cost per draft token and the alphas are a model drafter's: drafts with
         # confidences (prompt lookup, alone or in a hybrid) cost next to nothing and are fitted
         # by their confidences, and would make it look cheaper
@@ -580,14 +476,14 @@ class BatchEngine:
             batch=len(drafts), width=width,
             proposed=any(k > 0 and g.drafter is not None
                          for k, g in zip(ks, self.active, strict=True)),
-            committed=sum(g.last_committed for g in self.active),
+            committed=sum(g.control.committed for g in self.active),
             draft_tokens=sum(len(d.tokens) for _, d in model_rows),
             draft_s=(scoring - proposing - catch_up) / 1e9,
             # what a step of this width costs: the forward pass and every row's verification
             # and commit (per-row work grows with the width)
             target_s=(end - scoring) / 1e9,
             step_s=(end - began - catch_up) / 1e9,
-            alphas=tuple((self.alphas[id(g)], g.category, g.last_alphas)
+            alphas=tuple((_estimate(g), g.category, g.control.alphas)
                          for g, _ in model_rows))
 
     def _score(self, drafts: list[Draft]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -623,11 +519,11 @@ def draft_rows(gens: list[Generation]) -> list[Draft]:
     runs: dict[tuple[int, int, int], tuple[CacheModel, Cache]] = {}
     for i, gen in enumerate(gens):
         t0 = time.perf_counter_ns()
-        begun = gen.begin_draft()
+        begun = begin_draft(gen)
         gen.counters.draft_ns += time.perf_counter_ns() - t0
         if isinstance(begun, Draft):
             drafts[i] = begun
-        else:  # rounds: the drafter has a cache_model (Generation.begin_draft)
+        else:  # rounds: the drafter has a cache_model (begin_draft)
             assert gen.drafter is not None and gen.drafter.cache_model is not None
             model = gen.drafter.cache_model
             key = (id(gen.cache), id(model), -1 if model.rows_independent else i)
@@ -639,7 +535,7 @@ def draft_rows(gens: list[Generation]) -> list[Draft]:
         for (i, _), draft, ns in zip(members, made, spent, strict=True):
             drafts[i] = draft
             gens[i].counters.draft_ns += ns
-    return [g.end_draft(d) for g, d in zip(gens, drafts, strict=True)]  # type: ignore[arg-type]
+    return [end_draft(g, d) for g, d in zip(gens, drafts, strict=True)]  # type: ignore[arg-type]
 
 
 def draft_in_cache(model: CacheModel, cache: Cache, rows: list[int], steps: list[Rounds]
@@ -733,23 +629,6 @@ def tree_inputs(gens: list[Generation], drafts: list[Draft], width: int
     return torch.stack(positions), torch.stack(masks)
 
 
-def tree_logits(logits: torch.Tensor, params: SamplingParams, context: torch.Tensor,
-                prompt_len: int, draft: Draft) -> torch.Tensor:
-    """The processed logits (n + 1, V) of a tree's root and nodes: row i + 1 after node i's
-    path. Where penalties read the history, each row is processed after its own path;
-    otherwise all at once."""
-    assert draft.parents is not None
-    n = int(draft.tokens.numel())
-    if not uses_history(params):
-        return process_logits(logits, params, context, prompt_len, draft.tokens)
-    rows = [process_logits(logits[:1], params, context, prompt_len, _EMPTY)]
-    for i in range(n):
-        path = draft.tokens[tree_path(draft.parents, i)]
-        rows.append(process_logits(logits[i + 1:i + 2], params, torch.cat([context, path]),
-                                   prompt_len, _EMPTY))
-    return torch.cat(rows)
-
-
 def cut(draft: Draft, k: int) -> Draft:
     """The draft's first k tokens (with their q and confidences); a tree's nodes of depth at
     most k."""
@@ -779,6 +658,12 @@ def score(model: Target, tokens: torch.Tensor, cache: Cache, want_hidden: bool,
         hidden = model(tokens, cache, positions=positions, tree_mask=tree_mask,
                        num_new=num_new, return_hidden=True)  # (B, T, H)
         return model.head(hidden), hidden
+
+
+def _estimate(gen: Generation) -> AlphaEstimate:
+    """The controller's acceptance estimate of a request of its batch (set on adoption)."""
+    assert gen.control.estimate is not None, "a request joined the batch unadopted"
+    return gen.control.estimate
 
 
 def run_batch(engine: BatchEngine, gens: list[Generation]) -> list[Generation]:

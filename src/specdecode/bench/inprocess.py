@@ -293,7 +293,7 @@ class InProcessRunner:
         self.cost_repeats = cost_repeats
         self.audit_samples = audit_samples
         self.progress = progress
-        self.eos_ids = tuple(sorted(set(loaded.tokenizer.eos_ids) | set(cfg.eos_token_ids)))
+        self.eos_ids = loaded.eos_ids
         self._factories: dict[str, DrafterFactory | None] = {}
         self._kv: dict[tuple[str, int], tuple[int, int]] = {}
         self._sampled: dict[tuple[str, int], dict[float, TurnRequest]] = {}

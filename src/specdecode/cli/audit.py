@@ -122,7 +122,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, args.precision, args.backend)
     tok = loaded.tokenizer
     make = _audit_drafter(args, options, loaded)
-    eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
+    eos = loaded.eos_ids
     constraint = bind_constraint(spec, loaded, eos)
     texts = [args.prompt] if args.prompt else list(AUDIT_PROMPTS)
     prompts = [tok.encode_prompt(tok.apply_chat_template([{"role": "user", "content": t}])

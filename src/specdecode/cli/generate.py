@@ -1,11 +1,11 @@
-"""`specdecode generate`: one prompt, plain or speculative, streamed (or one JSON object)."""
+"""`specdecode generate`: one prompt, plain or speculative, streamed (or one JSON object): the
+Python API's `Specdecode.start` on the flags."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from specdecode.cli.args import (
@@ -13,7 +13,6 @@ from specdecode.cli.args import (
     add_drafter_args,
     add_model_args,
     add_sampling_args,
-    bind_constraint,
     constraint_spec,
     drafter_options,
     sampling_params,
@@ -34,51 +33,34 @@ def register(sub: Any) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream the text (or print one JSON object): the Python API's generate, on the flags'
+    model, drafter and sampling options."""
     import torch
 
-    from specdecode.api import auto_steps
-    from specdecode.drafters.registry import drafter_factory
-    from specdecode.engine import Generation
-    from specdecode.models.loading import load_model
+    from specdecode.api import Specdecode
 
     params = sampling_params(args)
     options = drafter_options(args)
     spec = constraint_spec(args)
-    loaded = load_model(args.model, args.precision, args.backend)
-    tok = loaded.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
-        else args.prompt
-    factory = drafter_factory(options, loaded.model, tokenizer=tok)
-    eos = tuple(sorted(set(tok.eos_ids) | set(loaded.model.cfg.eos_token_ids)))
-    gen = Generation(loaded.model, tok, tok.encode_prompt(text), params,
-                     factory() if factory else None, options.draft_length, eos,
-                     constraint=bind_constraint(spec, loaded, eos))
-    steps = auto_steps(loaded, gen, options.max_step_cost) if options.auto and factory else \
-        gen.run()
-    start = time.perf_counter()
-    first: float | None = None
-    pieces: list[str] = []
-    for out in steps:
-        if first is None:
-            first = time.perf_counter() - start
-        pieces.append(out.text)
+    sd = Specdecode(args.model, precision=args.precision, drafter=options, backend=args.backend)
+    stream = sd.start(args.prompt, params, chat=args.chat, constraint=spec)
+    for piece in stream:
         if not args.json:
-            sys.stdout.write(out.text)
+            sys.stdout.write(piece)
             sys.stdout.flush()
-    total = time.perf_counter() - start
-    gen.release()
-    if args.json:
-        record = {
-            "text": "".join(pieces), "token_ids": gen.output, "finish_reason": gen.finish_reason,
-            "seed": gen.seed, "rule": params.rule, "model": loaded.describe(),
-            "drafter": args.drafter,
-            "k": "auto" if options.auto else gen.k,
-            "threads": torch.get_num_threads(),
-            "timings": {"load_s": loaded.load_seconds, "ttft_s": first, "total_s": total,
-                        "tokens_per_s": len(gen.output) / total if total else None},
-            "counters": gen.counters.to_dict(),
-        }
-        print(json.dumps(record))
-    else:
+    result = stream.result
+    assert result is not None
+    if not args.json:
         sys.stdout.write("\n")
+        return 0
+    record = {
+        "text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason,
+        "seed": result.seed, "rule": params.rule, "model": sd.loaded.describe(),
+        "drafter": options.name, "k": "auto" if options.auto else sd.k,
+        "threads": torch.get_num_threads(),
+        "timings": {"load_s": sd.loaded.load_seconds, "ttft_s": result.ttft_s,
+                    "total_s": result.total_s, "tokens_per_s": result.tokens_per_s},
+        "counters": result.counters.to_dict(),
+    }
+    print(json.dumps(record))
     return 0

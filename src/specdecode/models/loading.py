@@ -51,6 +51,11 @@ class LoadedModel:
     def backend(self) -> str:
         return str(self.model.backend)
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The tokens that end a generation: the tokenizer's and the checkpoint config's."""
+        return tuple(sorted(set(self.tokenizer.eos_ids) | set(self.model.cfg.eos_token_ids)))
+
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
 

@@ -158,7 +158,7 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
     prompts = PromptEncoder(tok, options.allow_special_tokens_in_content)
     served = ServedModel(
         name=name, loaded_name=loaded.name, model=model, tokenizer=tok,
-        eos_ids=tuple(sorted(set(tok.eos_ids) | set(model.cfg.eos_token_ids))),
+        eos_ids=loaded.eos_ids,
         make_drafter=factory, k=k, window=window, created=int(time.time()),
         prompts=prompts,
         max_prompt_bytes=options.max_prompt_bytes or window * prompts.longest_token_bytes,

@@ -278,7 +278,7 @@ def train_heads(
     corpus = load_corpus(corpus_paths, loaded.tokenizer, cfg.train_tokens,
                          cfg.heldout_tokens / (cfg.train_tokens + cfg.heldout_tokens), cfg.seed)
     tr_tok, tr_feat, ho_tok, ho_feat = _prepare(loaded, corpus, cfg, out_dir, progress)
-    eos = tuple(sorted(set(loaded.tokenizer.eos_ids) | set(target.cfg.eos_token_ids)))
+    eos = loaded.eos_ids
     vocab = frequent_vocab(corpus.train, cfg.draft_vocab, target.cfg.vocab_size, eos)
     torch.manual_seed(cfg.seed)  # the fc initialisation
     model = FeatureDrafterModel(target, vocab)
