@@ -174,7 +174,8 @@ def _check_chain_shapes(p: torch.Tensor, q: torch.Tensor | None, k: int) -> None
 
 
 # ---------------------------------------------------------------------------------------------
-# Token trees (docs/design.md, "Trees"): verification only, not yet wired into the engine
+# Token trees (docs/design.md, "Trees"): the engine scores them under tree masks and runs these
+# (verification.Verifier), on targets that score trees; others verify a tree's best path
 # ---------------------------------------------------------------------------------------------
 #
 # A tree draft of n nodes: parents (n,) int64, parents[i] the index of node i's parent or -1 for

@@ -5,14 +5,23 @@ Modules, in the order data flows through them:
 - `workloads`: prompts (Spec-Bench JSONL or a plain JSONL format) and the built-in default set.
 - `runner`: the `Runner` protocol an engine implements to produce measurements.
 - `inprocess`: the Runner on this package's engine (batch 1 alone, batches and k = "auto" on the
-  BatchEngine); `costcurves`: its c(k), v(k) measurement.
+  BatchEngine); `costcurves`: its c(k), v(k) measurement; `peers`: llama-cpp-python's own
+  generation, measured beside it on the llama.cpp backend; `targets`: several targets of one
+  model (precisions, llama.cpp) in one interleaved run.
+- `http_runner`: the Runner over any OpenAI-compatible server; `http_metrics`: the speculation
+  counters of its /metrics; `http_constraints`: structured output sent and judged over HTTP;
+  `http_audit`: the losslessness audit of a server against a plain one.
 - `records`: the versioned result schema (one `RequestSample` per request per configuration).
 - `store`: the append-only JSONL file results are written to as they are measured, and resume.
-- `harness`: the loop interleaving configurations over the same prompts.
+- `harness`: the loop interleaving configurations over the same prompts; `interference`: how busy
+  the machine was around each measured batch, and which measurements that disturbed.
 - `analysis`: percentiles, bootstrap confidence intervals and per-configuration aggregates.
-- `recommend`: whether to enable speculation, with which drafter and k, up to which batch size.
-- `report_html`, `summary`, `svg`: the self-contained HTML report and the terminal summary.
-- `hardware`: the machine description every report states.
+- `recommend`: whether to enable speculation, with which drafter and k, up to which batch size;
+  `frontier`: speed against fidelity across targets.
+- `report_html`, `summary`, `svg`: the self-contained HTML report and the terminal summary;
+  `browser`: the report rendered in headless Chromium and checked as a person sees it.
+- `hardware`: the machine description every report states; `costs`: `specdecode costs`, the
+  forward-cost curves.
 - `compare`: what changed between two reports (after a target swap or an upgrade).
 - `plan`: what `bench` and `tune` run, checked before a model loads (their commands: `cli`).
 """

@@ -441,8 +441,7 @@ def batch_clusters(pairs: Sequence[tuple[RequestSample, RequestSample]]) -> list
     """The resampling unit of each pair: at batch 1 the pair itself (None); at batch > 1 its
     batch group and turn on both sides, since the requests that ran together share one
     timing. Resampling them as independent pairs gave intervals far narrower than the
-    run-to-run spread: five runs of one batch-8 comparison on llama.cpp measured 0.85x
-    [0.83, 0.88], 0.89x, 0.93x, 0.95x and 1.09x [1.03, 1.16], 3 groups of 8 each."""
+    run-to-run spread (docs/measurements/code-figures.md)."""
     if all(p.batch_size <= 1 and s.batch_size <= 1 for p, s in pairs):
         return None
     labels: dict[tuple[int, int, int], int] = {}
@@ -454,10 +453,10 @@ LOOP_SHARE = 0.5  # an output at least this repetitive "loops" (see self_repeat)
 
 def self_repeat(tokens: Sequence[int], n: int = 4) -> float:
     """The share of an output's n-grams that repeat its own earlier n-grams: near 1 for a small
-    model looping at greedy (SmolLM2-135M on 5 of 8 Spec-Bench summarization prompts runs to
-    1,024 tokens with 81-94%), low for an answer that ends by itself (copying a passage of the
-    prompt once does not count). A lookup drafts a loop for free, so speedups measured on
-    looping outputs overstate those on outputs that end by themselves."""
+    model looping at greedy (as SmolLM2-135M does on most Spec-Bench summarization prompts:
+    docs/measurements/code-figures.md), low for an answer that ends by itself (copying a passage
+    of the prompt once does not count). A lookup drafts a loop for free, so speedups measured
+    on looping outputs overstate those on outputs that end by themselves."""
     seen: set[tuple[int, ...]] = set()
     repeated = 0
     for i in range(len(tokens) - n + 1):
@@ -724,7 +723,7 @@ def with_overhead(c: float, v: float, spec: Sequence[RequestSample],
     plain's whole step, with the step's measured fixed cost: c * t1 / P and (v t1 + o_s) / P
     (step_overheads). The curve alone leaves out what a step costs besides its forward, which
     plain pays too but on fewer tokens: on a fast target it overrated speculation by a third
-    (predicted 1.91x against 1.43x measured). None where the run has no such timings."""
+    (docs/measurements/code-figures.md). None where the run has no such timings."""
     whole, t1, other = step_overheads(spec, plain)
     if not all(math.isfinite(x) and x > 0 for x in (whole, t1)) or not math.isfinite(other):
         return None

@@ -424,7 +424,7 @@ class InProcessRunner:
         """The configuration's controller, kept over the run, starting from the forward costs
         measured at batch 1 and its batch size (cached per model and machine), as `generate` and
         `serve` start: from an uninformed prior it misjudged wide steps until it had learned
-        them (on llama.cpp at batch 8, 0.87x where it predicted 1.14x)."""
+        them (docs/measurements/code-figures.md)."""
         from specdecode.calibration_cache import cached_costs
 
         if config.key not in self._controllers:

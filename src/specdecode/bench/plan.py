@@ -175,9 +175,9 @@ def parse_configs(text: str, precision: str) -> list[ConfigSpec]:
 
 def default_configs_text(backend: str = "auto") -> str:
     """plain; prompt lookup then the w4a16 copy at k=3 (the drafter that paid most in
-    benchmarks/drafters.py: best of those measured on every built-in and Spec-Bench category at
-    batch 1, greedy, 1.4-2.3x plain); each of its two parts alone, the w4a16 copy at k=3 (1.2-1.5x
-    everywhere) and ngram k=4, so the report shows what the combination adds."""
+    benchmarks/drafters.py, on every built-in and Spec-Bench category at batch 1, greedy:
+    docs/measurements/code-figures.md); each of its two parts alone, the w4a16 copy at k=3 and
+    ngram k=4, so the report shows what the combination adds."""
     from specdecode.models.loading import LLAMACPP_NAMES
 
     if backend in LLAMACPP_NAMES:

@@ -44,6 +44,7 @@ from specdecode.bench.records import (
 from specdecode.bench.runner import RunnerDescription
 from specdecode.bench.workloads import Prompt
 from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target
 
 LLAMACPP = "llama.cpp"
 NATIVE_TARGETS = ("fp32", "bf16", "int8", "w8a16", "w4a16")
@@ -200,13 +201,13 @@ def agreement_with(reference: Any, model: Any, ids: Sequence[int]) -> dict[str, 
             "chunk": AGREEMENT_CHUNK}
 
 
-def invariance_facts(model: Any) -> dict[str, Any]:
+def invariance_facts(model: Target) -> dict[str, Any]:
     """The target's measured batch invariance, as its loader recorded it (None: not measured)."""
-    measured = getattr(model, "invariance", None)
+    measured = model.invariance
     if measured is None:
         return {"exact": None, "invariance": None}
     return {"exact": bool(measured.exact), "invariance": measured.describe(),
-            "max_logit_difference": float(getattr(measured, "worst", 0.0) or 0.0)}
+            "max_logit_difference": float(measured.worst)}
 
 
 @dataclasses.dataclass

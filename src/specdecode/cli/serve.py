@@ -85,8 +85,8 @@ def register(sub: Any) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     # a wide step delays every request in the batch, not only the one whose draft widened it:
-    # measured at batch 8-32 (README, "How much of a draft is verified"), a cap of 1.5 plain
-    # steps cut the ITL p99 by 28-33% and cost no throughput
+    # a cap of 1.5 plain steps cut the inter-token latency's tail at no cost in throughput
+    # (docs/measurements/code-figures.md)
     p.set_defaults(func=cmd_serve, max_step_cost=SERVE_MAX_STEP_COST)
 
 

@@ -265,10 +265,10 @@ class DrafterFactory:
 
 
 def ids_tensor(ids: list[int]) -> torch.Tensor:
-    """An int64 tensor of a token list, through a C array: 6-7x faster than torch.tensor(list)
-    (19 against 124 us for 450 tokens here), which the engine paid twice per request per step (the
-    context handed to its drafter and to its verifier: 2.5% of a batch-16 step) and model
-    drafters once per draft token."""
+    """An int64 tensor of a token list, through a C array: several times faster than
+    torch.tensor(list), which the engine would pay twice per request per step (the context
+    handed to the drafter and to the verifier) and model drafters once per draft token
+    (docs/measurements/code-figures.md)."""
     return torch.frombuffer(array.array("q", ids), dtype=torch.int64) if ids else torch.zeros(
         0, dtype=torch.int64)
 

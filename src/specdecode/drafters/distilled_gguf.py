@@ -455,8 +455,8 @@ class SubsetDraft(LlamaCppModel):
         self._embd = np.ctypeslib.as_array(self._embd_batch.embd, shape=(_BATCH, embed.n_embd))
         # one drafting step's logits, returned as a view (the caller uses them before its next
         # call, as with the base class's view of llama.cpp's buffer): only the subset's columns
-        # are written each step. A fresh -inf fill of the whole vocabulary crosses torch's
-        # parallel grain, and with 2 threads on a busy machine it measured 0.15-8 ms a step
+        # are written each step; a fresh -inf fill of the whole vocabulary crosses torch's
+        # parallel grain and was slow (docs/measurements/code-figures.md)
         self._row = torch.full((1, 1, target_cfg.vocab_size), float("-inf"))
 
     def __call__(

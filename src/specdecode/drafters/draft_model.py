@@ -11,13 +11,10 @@ pending token and its draft tokens, attending over the target's keys and values 
 (a closer draft, if anything). A long prompt then costs it no prefill, the steps it sits out
 (another drafter drafted, or speculation was off) cost it no catching up, it holds no KV of its
 own, and a batch's rows draft together, one forward per draft position.
-The prefill was the copy's largest cost on long prompts when it kept its own cache: PyTorch's
-4-bit kernel runs many rows 1.6-1.8x slower than fp32 sgemm (64-256 rows of a 3072 x 576
-product, 2 threads), so on Spec-Bench summarization (600-900-token prompts, 64 new tokens) the
-w4a16 copy's drafting cost c, its prefill included, was 1.5-1.9 target steps per draft token
-against ~0.6 on short prompts. Lossless either way: whatever the draft attends over, its tokens
-are verified against q. Called directly (`propose`, outside an engine), a copy drafts in a cache
-of its own like any draft model."""
+The prefill was the copy's largest cost on long prompts when it kept its own cache (PyTorch's
+4-bit kernel is slow on many rows: docs/measurements/code-figures.md). Lossless either way:
+whatever the draft attends over, its tokens are verified against q. Called directly (`propose`,
+outside an engine), a copy drafts in a cache of its own like any draft model."""
 
 from __future__ import annotations
 

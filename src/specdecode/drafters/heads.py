@@ -11,9 +11,9 @@ and the token that was actually chosen, with one decoder layer of its own:
 
 and drafts autoregressively by feeding its own predicted feature h_j back as f_{j+1}. Both inputs
 enter fc at unit scale: the embedding RMS-normalised, the feature divided by the target's final
-norm gain g. The block starts from a small random initialisation: measured on SmolLM2, starting
-from a copy of the target's last block got stuck predicting the most frequent tokens (held-out
-agreement 0.19 after 50 steps vs 0.235 from random, with the unit-scale inputs). Features of
+norm gain g. The block starts from a small random initialisation: started from a copy of the
+target's last block it got stuck predicting the most frequent tokens (measured:
+docs/measurements/code-figures.md). Features of
 committed positions come from the target (the engine passes them to `observe` after each step);
 predicted ones only live for the current proposal.
 

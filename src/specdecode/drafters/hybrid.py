@@ -3,20 +3,16 @@
 The two families fail in opposite places. Prompt lookup costs nothing to run and is right for
 long stretches where the output copies its input (a summary quoting its article, an answer
 quoting its retrieved passage, code edited in place), and wrong almost everywhere else. A
-quantized copy of the target is right 95-100% of the time everywhere (SmolLM2's 4-bit copy,
-greedy), but each draft token costs about half a target step here (c ~0.5), which caps it near
-1.5x even at full acceptance (a step drafting k=3 costs 1.5 + v(4) ~ 2.7 target steps for ~3.7
-tokens).
+quantized copy of the target is right nearly everywhere, but each of its draft tokens costs a
+sizeable share of a target step, which caps what it can gain even at full acceptance.
 
 So each step the hybrid asks the lookup first and keeps its proposal when the tokens it
 expects to get accepted, sum_j prod_{i<=j} confidence_i (the n-gram drafter's per-token rates,
 drafters.ngram), reach `min_expected`; only otherwise does it run the model. The threshold's
-default, 0.6, comes from the costs above: the copy emits ~1.25 tokens per target step at any k
-(k=1: 1.9 tokens for 0.5 + 1.02 steps; k=3: 3.4 for 1.5 + 1.23), and a free lookup draft
-expecting e accepted tokens, verified at width T (v(T) ~1.0-1.25 here), emits (1 + e) / v(T),
-which matches it at e ~0.3-0.55; 0.6 keeps a margin for the rates being estimates. A 3-token
-greedy match (rates 0.6, 0.7, ...) clears it at any k, a 2-token one (0.45, 0.6, ...) from k=2,
-a 1-token one (0.2, 0.45, ...) at no k.
+default, 0.6, is where a free lookup draft, verified at its width, emits as many tokens per
+target step as the copy does, plus a margin for the rates being estimates (the copy's costs and
+the arithmetic: docs/measurements/code-figures.md): a long greedy match clears it, a 1-token
+match does not.
 
 The model drafter should draft in the target's cache (drafters.base.Drafter.rounds; the quantized
 copies do): then the steps the lookup drafted cost it no catching up, and in a batch the rows
@@ -54,8 +50,7 @@ def expected_tokens(draft: Draft) -> float:
     acceptance.expected_accepted, for a tree its best root path's (the sum of the path
     probabilities along it). Not the whole tree's sum: a bushy tree of weak branches sums
     high while each branch it adds widens the pass, and it displaced the model part too often
-    (suffix+w4a16 committed 2.66 tokens per pass against ngram+w4a16's 3.67 on repeating
-    traffic, docs/measurements/trees.md)."""
+    (docs/measurements/trees.md)."""
     if draft.parents is None:
         return expected_accepted(draft.confidence or ())
     return max(path_sums(draft), default=0.0)

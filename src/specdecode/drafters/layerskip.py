@@ -43,9 +43,8 @@ from specdecode.models.loading import cache_root
 from specdecode.models.target import Cache, Target
 from specdecode.models.tokenizer import Tokenizer
 
-# Share of the blocks the draft runs by default. Measured on SmolLM2-135M (CPU, greedy): keeping
-# 27 of 30 blocks (agreement 0.74 on the calibration text) lost least (about 0.5x plain), 24 and 21
-# blocks (agreement 0.48, 0.38) about 0.35x; no budget paid there. Deeper models skip more.
+# Share of the blocks the draft runs by default: the budget that lost least on SmolLM2-135M,
+# where no budget paid (docs/measurements/code-figures.md). Deeper models skip more.
 DEFAULT_KEEP_FRACTION = 0.9
 CALIBRATION_VERSION = "1"  # bump when the search changes (the text is in the cache key)
 _SAMPLE_PER_TENSOR = 4096  # values per weight tensor that go into the model digest

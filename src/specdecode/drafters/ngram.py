@@ -12,10 +12,10 @@ the context (a repeating pattern, e.g. "a b a b"), the pattern is continued by c
 same period. The draft is deterministic (q=None): the verifier treats it as one-hot on each
 proposed token, which is lossless whatever the proposal.
 
-How long a match is says how far to trust it. Measured over 60 prompts of SmolLM2 greedy output
-(the built-in workload and Spec-Bench), the first proposed token was accepted 24% of the time
-after a 1-token match, 47% after 2, 65% after 3, 75% after 5 and 91% after 6 or more; and once a
-token is accepted the match is one token longer. So each proposal carries a confidence per token:
+How long a match is says how far to trust it: the first proposed token after a 1-token match is
+accepted a fraction of the time, after a 6-token match nearly always (the rates measured on
+SmolLM2: docs/measurements/code-figures.md); and once a token is accepted the match is one token
+longer. So each proposal carries a confidence per token:
 the running acceptance rate of matches of length n + j for its j-th token (`MatchStats`, learned
 from this request's own proposals against what was committed, starting from a prior), and the
 engine keeps the prefix that pays for its verification. A proposal is scored against the
@@ -23,10 +23,8 @@ committed text even when the engine drafted none of it, so the rates keep being 
 speculation is off.
 
 Sampling changes the rates: a one-hot draft token x is accepted with probability p(x), not 1 when
-x is the argmax. Measured the same way (12 Spec-Bench prompts each, k=4, 64 tokens), the first
-proposed token after a 1-token match was accepted 22% / 17% / 13% of the time on summarization at
-temperature 0 / 0.7 / 1.0, and after a 2-token match 57% / 40% / 31% (writing: 38% / 29% / 18%).
-So the rates are kept per sampling regime (`RegimeStats`: temperature to 0.1, top-k, top-p,
+x is the argmax, so the rates fall with the temperature (measured: the same file). So the rates
+are kept per sampling regime (`RegimeStats`: temperature to 0.1, top-k, top-p,
 min-p), each starting from the greedy prior scaled by a factor that falls with the temperature:
 greedy traffic's rates never stand in for sampled traffic's, whose drafts would otherwise be
 verified at widths that a rate learned on greedy text justifies and sampled text does not.
@@ -79,15 +77,15 @@ class NgramIndex:
 
 STATS_CAP = 8  # match lengths >= this share one rate
 # The starting guess of the acceptance rate after an m-token match, greedy (index m; 0 unused):
-# the rates measured on SmolLM2's greedy output (see the module docstring; 60 prompts, then 24
-# more of summarization and writing), rounded down where the two disagreed.
+# the rates measured on SmolLM2's greedy output, rounded down where two sets of prompts disagreed
+# (docs/measurements/code-figures.md).
 GREEDY_PRIOR = (0.0, 0.2, 0.45, 0.6, 0.7, 0.75, 0.8, 0.8, 0.8)
 
 
 def temperature_factor(temperature: float) -> float:
-    """How much lower than greedy's the acceptance rates start at this temperature: measured
-    sampled / greedy rates ~0.7-0.8 at 0.7 and ~0.5-0.6 at 1.0 (module docstring); a line
-    through them, floored at 0.3."""
+    """How much lower than greedy's the acceptance rates start at this temperature: a line
+    through the measured sampled / greedy rates at 0.7 and 1.0
+    (docs/measurements/code-figures.md), floored at 0.3."""
     return max(0.3, 1.0 - 0.45 * temperature)
 
 

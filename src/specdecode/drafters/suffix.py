@@ -40,10 +40,9 @@ from specdecode.verify import tree_depths
 
 MAX_MATCH = 8  # the longest suffix matched (as the n-gram drafter's max_n)
 MAX_DEPTH = 8  # the deepest continuation indexed beyond a full-length match
-# Node budgets. Measured on SmolLM2 (greedy, k=6, 8 built-in code / summarization / chat
-# prompts, 48 tokens each), ngram-tree's tokens per target step: 1.47 as a chain, 1.47 with 4
-# nodes, 1.54 with 8, 1.59 with 16, 1.60 with 24 and 32: the gain stops near 16. The store adds
-# other requests' continuations as branches, so suffix gets more room. (Under --k auto the
+# Node budgets: ngram-tree's tokens per target step stop growing near 16 nodes on SmolLM2
+# (docs/measurements/code-figures.md). The store adds other requests' continuations as
+# branches, so suffix gets more room. (Under --k auto the
 # engine keeps only the nodes that pay, so a budget is a cap, not a cost.)
 NGRAM_TREE_NODES = 16
 SUFFIX_NODES = 24

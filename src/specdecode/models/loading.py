@@ -216,8 +216,9 @@ def load_model(
     """Load --model (default: SmolLM2-135M-Instruct) on the native runner or the adapter.
 
     gemv_copy: on the native runner at fp32, hold each matrix a second time in the layout that
-    makes one-row steps faster (LlamaModel.add_gemv_copies: plain decoding ~19% faster, weights
-    held twice). Default: on, unless the environment sets SPECDECODE_GEMV_COPY=0.
+    makes one-row steps faster (LlamaModel.add_gemv_copies: plain decoding faster, the weights
+    held twice; docs/measurements/code-figures.md). Default: on, unless the environment sets
+    SPECDECODE_GEMV_COPY=0.
     max_batch: the largest batch the caller will run (the llama.cpp backend allocates a KV
     stream per row and per prompt being prefilled up front: 2 * max_batch + 2 of them).
     """

@@ -5,6 +5,8 @@ bodies), `middleware` (API key, body size and time), `connections` (the header d
 `prometheus` (the /metrics exposition), `worker` (the one engine thread), `tokens` (prompt
 tokenization: message contents as text, off the GIL), `prepare` (a validated request -> a
 Generation), `streaming` (events -> SSE / JSON), `app` (the routes), `shutdown` (the drain on
-SIGTERM), `background` (uvicorn servers, run in a thread or draining on signals). `specdecode
-serve` is `cli.serve`. The limits and their flags: docs/serving-hardening.md.
+SIGTERM), `background` (uvicorn servers, run in a thread or draining on signals), `state` (what a
+running server holds, built from the loaded model and ServeOptions), `isolation` (whose earlier
+text a `suffix` drafter may draft from), `allocator` (giving freed memory back to the system).
+`specdecode serve` is `cli.serve`. The limits and their flags: docs/serving-hardening.md.
 """

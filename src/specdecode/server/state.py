@@ -38,9 +38,9 @@ BODY_TIMEOUT_S = 60.0  # a whole body of MAX_BODY_BYTES then needs >= 17 kB/s
 SHUTDOWN_TIMEOUT_S = 30.0  # see specdecode.server.shutdown
 RETRY_AFTER_S = 1  # Retry-After of a 429: a slot frees when any running request ends
 # Prompts over this many bytes of text are tokenized one at a time on a thread of their own
-# (~10-30 ms of work at this size), at a lower CPU priority: a burst of long prompts then takes
-# one core at most, yields it to the engine and the event loop, and never queues ahead of short
-# prompts, which go to the shared worker threads.
+# (tens of milliseconds of work at this size), at a lower CPU priority: a burst of long prompts
+# then takes one core at most, yields it to the engine and the event loop, and never queues
+# ahead of short prompts, which go to the shared worker threads.
 LONG_PROMPT_BYTES = 32 * 1024
 LONG_PROMPT_NICE = 10
 

@@ -48,10 +48,8 @@ DEFAULT_OUT = "runs/distilled"
 LOSSES = ("fkl", "tvd")
 
 
-# Defaults measured on SmolLM2-135M (2 blocks, 12 steps of 4 x 256 tokens, held-out KL): blocks
-# (0, 29) start worse than (0, 1) (KL 61 vs 14) but learn faster (4.97 vs 8.46 at lr 5e-4);
-# lr 3e-3 reached 4.18, 1.5e-3 4.36, 5e-4 4.97. 120 steps take 22 minutes on one thread of a
-# shared 2-core machine (the target's forward pass is two thirds of a step).
+# Defaults: the blocks and learning rate that reached the lowest held-out KL in short runs on
+# SmolLM2-135M (the runs and a full run's time: docs/measurements/code-figures.md).
 @dataclass(frozen=True)
 class DistillConfig:
     layers: int = 2  # draft blocks

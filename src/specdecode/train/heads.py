@@ -340,7 +340,7 @@ def _card(loaded: Any, corpus: Corpus, cfg: HeadsTrainConfig, steps: int, train_
         "kind": "heads (EAGLE-style feature drafter: fc + 1 Llama block, frozen target head)",
         "target": loaded.name,
         "target_sha256": weights_sha256(loaded.model),
-        "target_precision": getattr(loaded.model, "precision", "fp32"),
+        "target_precision": loaded.model.precision,
         "data": corpus.describe(),
         "steps": steps,
         "seed": cfg.seed,
