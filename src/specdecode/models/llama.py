@@ -63,26 +63,16 @@ PADDED_ROWS = {3: 4, 7: 8, **{r: 16 for r in range(10, 16)}}
 
 
 class Linear(nn.Linear):
-    """nn.Linear on fp32 weights, choosing MKL's faster orientation by the number of rows.
-
-    Measured on AVX2 (2 cores, SmolLM2-135M's 121 matrices): for 2-128 rows, sgemm computing
-    y^T = W x^T is faster than y = x W^T with 2 threads (1.1-2.5x up to 16 rows, 1.0-1.1x at
-    32-128; whole forwards no slower with one thread); from 256 rows x W^T is faster (0.94x at
-    256, 0.80x at 512), so larger calls (prefill) run as nn.Linear. The weight stays in the
-    Hugging Face (out, in) layout. MKL's kernels for some row counts are faster than for fewer
-    rows, so 3 rows run padded with zero rows to 4, 7 to 8 and 10-15 to 16 (PADDED_ROWS):
-    3 rows took 50 ms over the 121 matrices and 4 rows 45; 7 rows 96 and 8 rows 81; 10-14 rows
-    110-138 and 16 rows 99. Each row's result is still computed from that row alone. Whole
-    forwards at 400 tokens of context, 2 threads, against the previous rule (tall 2-8 and 16
-    rows, 3 padded, else nn.Linear): 10 rows 0.78x the time, 12 rows 0.76x, 24 rows 0.83x,
-    32 rows 0.89-0.91x, 7 rows 0.92x, others within noise; with one thread 0.89-1.00x.
-
-    One row (a GEMV, every plain decoding step) streams the whole weight from memory once. With
-    a second copy of the weight in the (in, out) layout (`weight_t`, made by
-    `LlamaModel.add_gemv_copies`), y = x @ W^T runs as a row-major GEMV that MKL streams faster:
-    a whole SmolLM2 decode step 59 -> 48 ms with 2 threads (-19%), at the price of holding the
-    matrices twice. Without the copy one row runs as nn.Linear. The copy is no help for 2+ rows
-    (x @ W^T with it is 1.3-2.2x slower than the orientation above), so they never use it.
+    """nn.Linear on fp32 weights. On the row-invariant kernels (LlamaModel.set_exact, the default
+    where they build) it multiplies with its panels (`exact_panels`). On PyTorch's kernels it
+    picks MKL's faster orientation by the number of rows: for 2-128 rows sgemm computing
+    y^T = W x^T beats y = x W^T on a 2-core AVX2 CPU, larger calls (prefill) run as nn.Linear,
+    and some row counts run padded with zero rows to a count MKL's kernels run faster
+    (PADDED_ROWS); one row can use an (in, out) copy of the weight (`weight_t`,
+    `LlamaModel.add_gemv_copies`), a row-major GEMV that MKL streams faster, at the price of
+    holding the matrix twice. Each row's result is computed from that row alone, but not by the
+    same kernel at every row count: PyTorch's path is not bit-exact across row counts. The
+    measurements behind these rules: docs/measurements/code-figures.md.
     """
 
     exact = False  # LlamaModel.set_exact: the row-invariant kernel (inference only)

@@ -6,14 +6,14 @@ and everything else (activations, RMSNorm, RoPE, softmax, the KV cache) stays fp
 
 - fp32: MKL sgemm on fp32 weights.
 - bf16: weights rounded to bf16. This CPU class (AVX2, no AVX512-BF16) runs bf16 x bf16 GEMMs
-  slowly (oneDNN converts on every call: 2.5x slower than fp32 at 16 rows), so the bf16-rounded
+  slowly (oneDNN converts on every call), so on PyTorch's kernels the bf16-rounded
   weights are held in fbgemm's packed fp16 format and multiplied with fp32 activations and fp32
   accumulation. Every bf16 value with 2^-14 <= |w| <= 65504 is exact in fp16; smaller magnitudes
   become fp16 subnormals (absolute error <= 2^-25, far below bf16's own rounding of any weight
   that matters); larger ones are refused.
 - int8: symmetric per-output-channel int8 weights, activations quantized dynamically per call
   (per tensor, 7-bit range on AVX2 so that u8 x s8 pair sums cannot saturate), fbgemm kernels.
-  Fastest here and the flattest cost in the number of scored rows, but the least faithful, and
+  The flattest cost in the number of scored rows, but the least faithful, and
   NOT batch invariant: one activation scale covers every row of a call, so a position scored
   together with drafts gets slightly different logits than the same position scored alone.
 - w8a16 / w4a16: weight-only quantization. Weights int8 per output channel (w8a16) or 4-bit
