@@ -177,6 +177,13 @@ class Specdecode:
         return self.options.name
 
     @property
+    def drafter_choice(self) -> dict[str, Any] | None:
+        """What `ngram+auto` measured of each candidate model part and which it chose
+        (drafters.auto.Selection.as_dict); None for every other drafter."""
+        selection = None if self._factory is None else self._factory.selection
+        return None if selection is None else selection.as_dict()  # type: ignore[no-any-return]
+
+    @property
     def k(self) -> int:
         """The draft length, or under "auto" the most the controller may draft."""
         return self.options.draft_length

@@ -45,13 +45,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdecode.acceptance import expected_accepted
+from specdecode.acceptance import PAY_MARGIN, expected_accepted, expected_tokens
 
 DEFAULT_PRIOR = 0.6
-# Speculating must be expected to beat plain decoding by this fraction: the cost model is
-# measured, not exact (noise, and per-row verification work besides the forward pass), and a
-# wrong "on" costs the batch's every row, a wrong "off" only the gain.
-PAY_MARGIN = 0.05
 PRIOR_SLOPE = 0.1  # past the widest measured width: each more position costs this x t(B, 1)
 PROBE_ALPHA = 0.95  # the acceptance a probe hopes to find; if even it cannot pay, no probe
 LEARNING_GAP = 0.1  # a probe accepted this much above the estimates: they are still learning
@@ -59,17 +55,6 @@ LEARNING_GAP = 0.1  # a probe accepted this much above the estimates: they are s
 # samples (a request's acceptance varies around its category's: 8 samples is the weight of
 # a Beta prior whose spread across requests is ~0.1 at alpha ~0.9)
 SEEDED_COUNT = 8.0
-
-
-def expected_tokens(alpha: float, k: float) -> float:
-    """E(k): expected tokens emitted by one step drafting k tokens at per-token acceptance
-    alpha, (1 - alpha^(k+1)) / (1 - alpha); k + 1 at alpha = 1. The one definition: the
-    controller's choices and the report's predicted speedup (bench.analysis) both use it."""
-    if k == 0:
-        return 1.0
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def best_width(confidences: Sequence[Sequence[float]], width_cost: Callable[[int], float],

@@ -108,8 +108,9 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="none | int8 | w4a16 | ngram | ngram-tree | suffix | layerskip | heads "
                         "(--heads) | distilled | draft-model | xtok (these two with "
                         "--draft-model) | ngram+X (prompt lookup where it expects to pay, else "
-                        "drafter X: w4a16, int8, distilled, draft-model, layerskip; suffix+X: the "
-                        "suffix lookup's trees, else X). ngram-tree "
+                        "drafter X: w4a16, int8, distilled, draft-model, layerskip, or auto: the "
+                        "one measured at load to pay best on this target and machine, or none; "
+                        "suffix+X: the suffix lookup's trees, else X). ngram-tree "
                         "and suffix draft token trees; suffix also from earlier requests; "
                         "X-tree (X: w4a16, int8, distilled, draft-model): X with its next "
                         "choice as a sibling where it is unsure (docs/drafters.md)")

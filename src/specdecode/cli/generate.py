@@ -57,6 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason,
         "seed": result.seed, "rule": params.rule, "model": sd.loaded.describe(),
         "drafter": options.name, "k": "auto" if options.auto else sd.k,
+        "drafter_choice": sd.drafter_choice,  # ngram+auto: what it measured and chose
         "threads": torch.get_num_threads(),
         "timings": {"load_s": sd.loaded.load_seconds, "ttft_s": result.ttft_s,
                     "total_s": result.total_s, "tokens_per_s": result.tokens_per_s},

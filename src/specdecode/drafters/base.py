@@ -19,7 +19,7 @@ import array
 import dataclasses
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -252,10 +252,12 @@ class DrafterFactory:
     `store`: the store of earlier requests its drafters draft from and add to (the suffix
     drafter's; None: none), for memory reports. `isolation`: whose earlier text a server request
     drafts from, "user" (its own user's: a drafter's `isolation_key`) or "shared".
+    `selection`: what `ngram+auto` measured and chose (drafters.auto.Selection), else None.
     """
 
     store: SuffixStore | None = None
     isolation: str = "user"
+    selection: Any = None  # what `ngram+auto` measured and chose (drafters.auto.Selection)
 
     def __init__(self, make: Callable[[], Drafter]) -> None:
         self._make = make

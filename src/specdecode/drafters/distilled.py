@@ -32,6 +32,7 @@ from torch import nn
 
 from specdecode.drafters.base import native
 from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
 
 if TYPE_CHECKING:
     from specdecode.models.llama import LlamaModel
@@ -57,24 +58,63 @@ class DraftLayout:
 
 
 class SubsetHead(nn.Module):
-    """An LM head scoring only `ids` (n,) of a vocabulary of `vocab_size`: -inf elsewhere."""
+    """An LM head scoring only `ids` (n,) of a vocabulary of `vocab_size`: -inf elsewhere.
 
-    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:
+    The rows are `weight[ids]` at `dtype` (fp32, or bf16: half the bytes a step streams), or
+    `panels`, rows the row-invariant kernels already hold (drafters.draft_head: a prefix of a
+    model's own head, shared with it, whatever its kind). At inference, where the kernels build
+    (models.kernels), they multiply the rows (bf16 panels are read as bf16, where PyTorch
+    converts a bf16 matrix on every call on CPUs without native bf16 products); with autograd
+    on (training a draft through it) PyTorch does, from the same values."""
+
+    def __init__(self, weight: torch.Tensor | None, ids: torch.Tensor, vocab_size: int,
+                 dtype: torch.dtype = torch.float32,
+                 panels: kernels.Panels | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.ids: torch.Tensor
-        self.weight: torch.Tensor
-        self.register_buffer("ids", ids.to(torch.long), persistent=False)
-        self.register_buffer("weight", weight[ids].contiguous(), persistent=False)  # (n, H)
+        self.weight: torch.Tensor | None
+        ids = ids.to(torch.long)
+        self.register_buffer("ids", ids, persistent=False)
+        self.shared = panels is not None  # rows another module holds: none of its own bytes
+        if panels is None:
+            assert weight is not None
+            rows = weight.detach()[ids].to(dtype).contiguous()  # (n, H)
+            # held once: as the kernels' panels where they build, else as a buffer
+            panels = kernels.pack_float(rows, dtype) if kernels.available() else None
+            self.register_buffer("weight", None if panels is not None else rows,
+                                 persistent=False)
+        else:
+            self.register_buffer("weight", None, persistent=False)
+        self.panels = panels
+        # the lowest ids (what training and draft_head pick): a slice, not a scatter
+        self.prefix = bool(torch.equal(ids, torch.arange(len(ids))))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of rows it holds itself (memory.weight_bytes adds them: not buffers)."""
+        return 0 if self.panels is None or self.shared else self.panels.nbytes
+
+    def rows(self) -> torch.Tensor:
+        """The (n, H) rows it multiplies by, fp32."""
+        if self.panels is not None:
+            return kernels.weight_of(self.panels)
+        assert self.weight is not None
+        return self.weight.float()
 
     def subset_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the subset only: (..., H) -> (..., n)."""
-        return x @ self.weight.t()
+        if self.panels is not None and kernels.available() and not torch.is_grad_enabled():
+            return kernels.matmul(x, self.panels)
+        return x @ self.rows().t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sub = self.subset_logits(x)  # (..., n)
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))  # (..., V)
-        out[..., self.ids] = sub
+        if self.prefix:
+            out[..., : sub.shape[-1]] = sub
+        else:
+            out[..., self.ids] = sub
         return out
 
 

@@ -40,6 +40,7 @@ from specdecode.sampling import process_logits, sample
 from specdecode.verify import without_replacement
 
 if TYPE_CHECKING:
+    from specdecode.models.llama import LlamaModel
     from specdecode.models.target import Cache, Target
 
 # Sibling leaves (`siblings=True`, a token tree; EAGLE-2's idea of branching where the draft is
@@ -191,6 +192,21 @@ class DraftModelDrafter(Drafter):
         q_all = torch.stack(qs) if qs else None
         return Draft(torch.tensor(tokens, dtype=torch.long), q_all)
 
+
+
+def quantized_copy(name: str, target: LlamaModel) -> LlamaModel:
+    """The target's int8 or w4a16 copy (4-bit blocks, int8 ends; the target's norms shared,
+    unchanged). A w4a16 target is its own w4a16 copy, held once: re-quantizing its
+    de-quantized weights need not give back the same codes."""
+    import copy
+
+    from specdecode.models.precision import apply_precision, quantize_int8
+
+    if name == "int8":
+        return quantize_int8(copy.deepcopy(target))  # type: ignore[no-any-return]
+    if target.precision == "w4a16":
+        return target
+    return apply_precision(target, "w4a16")  # type: ignore[no-any-return]
 
 
 def with_siblings(drafter: Drafter, name: str) -> DraftModelDrafter:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from specdecode.models.llama import LlamaModel
 from specdecode.models.loading import cache_root
 from specdecode.models.target import Cache, Target
 from specdecode.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from specdecode.drafters.distilled import SubsetHead
 
 # Share of the blocks the draft runs by default: the budget that lost least on SmolLM2-135M,
 # where no budget paid (docs/measurements/code-figures.md). Deeper models skip more.
@@ -122,13 +126,23 @@ class LayerSubset:
 class LayerSkipDrafter(DraftModelDrafter):
     """Self-speculation drafter (one per request) running the target's blocks `layers` only."""
 
-    def __init__(self, model: LlamaModel, layers: Sequence[int], capacity: int = 4096) -> None:
-        check_layers(model, layers)
-        super().__init__(LayerSubset(model, layers), "layerskip", capacity, in_cache=True)
-        self.target = model
+    def __init__(self, model: LlamaModel, layers: Sequence[int], capacity: int = 4096,
+                 head: SubsetHead | None = None) -> None:
+        """`head`: a cheaper LM head to draft through (drafters.draft_head), or None: the
+        target's."""
+        from specdecode.drafters.draft_head import WithHead
 
-    def weights(self) -> LlamaModel:
-        return self.target  # the target's own blocks: memory reports count none of them
+        check_layers(model, layers)
+        subset = LayerSubset(model, layers)
+        super().__init__(subset if head is None else WithHead(subset, head), "layerskip",
+                         capacity, in_cache=True)
+        self.target = model
+        self.head = head
+
+    def weights(self) -> Target:
+        """The target's own blocks: memory reports count none of them (a draft head's own rows,
+        if any: drafters.draft_head)."""
+        return self.target if self.head is None else self.model
 
 
 def check_layers(model: Target, layers: Sequence[int]) -> None:

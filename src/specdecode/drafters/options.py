@@ -34,7 +34,9 @@ PREFIX = "ngram+"  # a hybrid's name: its lookup (this, or SUFFIX_PREFIX), then 
 SUFFIX_PREFIX = "suffix+"  # the lookup is drafters.suffix (token trees, earlier requests too)
 TREE_SUFFIX = "-tree"
 TREE_MODELS = ("w4a16", "int8", "distilled", "draft-model")
-HYBRID_MODELS = ("w4a16", "int8", "distilled", "draft-model", "layerskip")
+# "auto": the model part chosen at load by measured cost and acceptance (drafters.auto)
+AUTO = "auto"
+HYBRID_MODELS = ("w4a16", "int8", "distilled", "draft-model", "layerskip", AUTO)
 
 _LOOKUP = ("ngram_max", "ngram_min")
 # The options each single drafter reads (k, kmax and max_step_cost are the engine's: every
@@ -42,10 +44,10 @@ _LOOKUP = ("ngram_max", "ngram_min")
 USES: dict[str, tuple[str, ...]] = {
     "none": (),
     "draft-model": ("draft_model",),
-    "int8": (),
-    "w4a16": (),
+    "int8": ("draft_vocab",),
+    "w4a16": ("draft_vocab",),
     "ngram": _LOOKUP,
-    "layerskip": ("layers",),
+    "layerskip": ("layers", "draft_vocab"),
     "heads": ("heads",),
     "distilled": ("distilled",),
     "xtok": ("draft_model",),
@@ -96,7 +98,7 @@ def parts(name: str) -> tuple[str, ...]:
 
 def reads(name: str) -> tuple[str, ...]:
     """The drafter options `name` reads (besides k, kmax and max_step_cost)."""
-    return tuple(dict.fromkeys(o for part in parts(name) for o in USES[part]))
+    return tuple(dict.fromkeys(o for part in parts(name) for o in USES.get(part, ())))
 
 
 def needs(name: str) -> tuple[str, ...]:
@@ -117,7 +119,9 @@ class DrafterOptions:
     k: the draft length 1..MAX_K, or "auto" (the controller picks 0..kmax each step, steps no
     wider than max_step_cost plain steps of the batch when that is set). draft_model: a draft
     checkpoint (draft-model, xtok). heads, distilled: their weights' folders (default: the
-    shipped ones). layers: the blocks layerskip runs (default: calibrated). ngram_max,
+    shipped ones). layers: the blocks layerskip runs (default: calibrated). draft_vocab: the
+    quantized copies and layerskip draft through the lowest draft_vocab token ids of the head
+    (drafters.draft_head; default: the whole head). ngram_max,
     ngram_min: the match lengths of the lookups. tree_nodes: a lookup tree's node budget.
     suffix_mib, suffix_requests: the caps of the suffix drafter's store of earlier requests;
     suffix_isolation: whose earlier text a server request drafts from ("user" or "shared").
@@ -131,6 +135,7 @@ class DrafterOptions:
     heads: str | None = None
     distilled: str | None = None
     layers: tuple[int, ...] | None = None
+    draft_vocab: int | None = None
     ngram_max: int | None = None
     ngram_min: int | None = None
     tree_nodes: int | None = None
@@ -220,7 +225,7 @@ def _check_value(option: str, value: Any) -> None:
         bad = "" if isinstance(value, str) and value else "a path"
     elif option in ("ngram_max", "ngram_min"):  # their order: the drafter checks it
         bad = "" if _is_int(value) else "an integer"
-    elif option == "suffix_requests":
+    elif option in ("suffix_requests", "draft_vocab"):  # draft_vocab's top: drafters.draft_head
         bad = "" if _is_int(value) and value >= 1 else "an integer >= 1"
     elif option == "tree_nodes":
         bad = "" if _is_int(value) and 1 <= value <= MAX_TREE_NODES else \

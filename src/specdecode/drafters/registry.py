@@ -7,13 +7,13 @@ per-request drafter sharing them.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from specdecode.drafters.base import DrafterFactory, native
 from specdecode.drafters.options import (
+    AUTO,
     DRAFTERS,
     DrafterOptions,
     lookup_part,
@@ -98,7 +98,8 @@ def drafter_factory(options: DrafterOptions | str, target: Target, *, capacity: 
     calibrated default for this model, cached, or calibrated now (once per model; see
     drafters.layerskip). heads, distilled: the folder of trained heads or of a distilled draft
     (default: the ones shipped for the default target; refused if made for another target).
-    ngram+X: prompt lookup where it expects to pay, else drafter X (drafters.hybrid). suffix,
+    ngram+X: prompt lookup where it expects to pay, else drafter X (drafters.hybrid); X = auto:
+    the model part measured at load to pay best here, or none (drafters.auto). suffix,
     ngram-tree: token trees from a suffix index (drafters.suffix) of at most `tree_nodes` nodes;
     suffix: the factory's drafters share one store of earlier requests (`DrafterFactory.store`,
     capped at suffix_mib MiB and suffix_requests requests) under `suffix_isolation`.
@@ -116,6 +117,11 @@ def _factory(opts: DrafterOptions, target: Target, capacity: int, tokenizer: Tok
         from specdecode.drafters.hybrid import HybridFactory
 
         lookup = _factory(_only(opts, lookup_part(name)), target, capacity, tokenizer)
+        assert lookup is not None
+        if part == AUTO:  # the model part chosen by measurement (drafters.auto)
+            from specdecode.drafters.auto import auto_factory
+
+            return auto_factory(lookup, target, tokenizer, capacity, name)
         model = _factory(_only(opts, part), target, capacity, tokenizer)
         assert lookup is not None and model is not None
         return HybridFactory(lookup, model, name)
@@ -137,13 +143,13 @@ def _factory(opts: DrafterOptions, target: Target, capacity: int, tokenizer: Tok
     if name in ("suffix", "ngram-tree"):
         return _tree_lookup(opts, ngram_max, ngram_min)
     if name == "layerskip":
-        return _layerskip(target, opts.layers, tokenizer, capacity)
+        return _layerskip(target, opts.layers, tokenizer, capacity, opts.draft_vocab)
     if name == "heads":
         return _heads(target, opts.heads, capacity)
     if name == "distilled":
         return _distilled(target, opts.distilled, capacity)
     if name in ("int8", "w4a16"):
-        return _quantized_copy(name, target, capacity)
+        return _quantized_copy(name, target, capacity, opts.draft_vocab)
     assert opts.draft_model is not None  # DrafterOptions.check: both need one
     if name == "draft-model":
         return _draft_model(target, opts.draft_model, capacity)
@@ -198,7 +204,8 @@ def _tree_lookup(opts: DrafterOptions, ngram_max: int, ngram_min: int) -> Drafte
 
 
 def _layerskip(target: Target, layers: Sequence[int] | None, tokenizer: Tokenizer | None,
-               capacity: int) -> DrafterFactory:
+               capacity: int, draft_vocab: int | None = None) -> DrafterFactory:
+    from specdecode.drafters.draft_head import draft_head
     from specdecode.drafters.layerskip import (
         LayerSkipDrafter,
         cached_calibration,
@@ -211,7 +218,8 @@ def _layerskip(target: Target, layers: Sequence[int] | None, tokenizer: Tokenize
         model, tokenizer, default_budget(model)
     ).layers
     check_layers(model, kept)
-    return DrafterFactory(lambda: LayerSkipDrafter(model, kept, capacity))
+    head = None if draft_vocab is None else draft_head(model, draft_vocab)  # shared
+    return DrafterFactory(lambda: LayerSkipDrafter(model, kept, capacity, head))
 
 
 def _heads(target: Target, heads: str | None, capacity: int) -> DrafterFactory:
@@ -240,18 +248,16 @@ def _distilled(target: Target, distilled: str | None, capacity: int) -> DrafterF
     return DrafterFactory(lambda: DraftModelDrafter(draft, "distilled", capacity))
 
 
-def _quantized_copy(name: str, target: Target, capacity: int) -> DrafterFactory:
-    """A quantized copy of the target (int8, or w4a16: 4-bit blocks, bf16 ends; the target's
-    norms shared, unchanged), drafting in the target's cache."""
-    from specdecode.drafters.draft_model import DraftModelDrafter
-    from specdecode.models.precision import apply_precision, quantize_int8
+def _quantized_copy(name: str, target: Target, capacity: int, draft_vocab: int | None = None
+                    ) -> DrafterFactory:
+    """A quantized copy of the target (drafters.draft_model.quantized_copy), drafting in the
+    target's cache; with `draft_vocab`, through the lowest draft_vocab ids of its head
+    (drafters.draft_head)."""
+    from specdecode.drafters.draft_head import with_draft_head
+    from specdecode.drafters.draft_model import DraftModelDrafter, quantized_copy
 
-    model = native(target, name)
-    if name == "int8":
-        weights = quantize_int8(copy.deepcopy(model))
-    else:
-        weights = apply_precision(model, "w4a16")
-    return DrafterFactory(lambda: DraftModelDrafter(weights, name, capacity, in_cache=True))
+    model = with_draft_head(quantized_copy(name, native(target, name)), draft_vocab)
+    return DrafterFactory(lambda: DraftModelDrafter(model, name, capacity, in_cache=True))
 
 
 def _draft_model(target: Target, draft_model: str, capacity: int) -> DrafterFactory:
