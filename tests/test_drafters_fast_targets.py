@@ -279,3 +279,40 @@ def test_generate_json_reports_what_ngram_auto_measured(
     names = [c["name"] for c in choice["candidates"]]
     assert names[0] == "w4a16" and "int8" in names and choice["v"][0] == 1.0
     assert choice["chosen"] in (None, *names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads trained for a fast target
+# ---------------------------------------------------------------------------------------------
+
+
+def test_heads_trained_for_the_w4a16_target_draft_for_it_and_only_for_it(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    """`train heads --precision w4a16` extracts the w4a16 target's features and names its
+    weights in the card; the heads then draft for that target, token-identical to its plain
+    decoding, and are refused on the fp32 model they were quantized from (its features differ)."""
+    import json
+    import random
+
+    from specdecode.cli import main
+
+    words = random.Random(0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in range(6):
+        cycle = [words.randrange(2, 96) for _ in range(8)]
+        (corpus / f"d{d}.txt").write_text(" ".join(f"t{cycle[i % 8]}" for i in range(200)))
+    out = tmp_path / "heads"
+    assert main(["train", "heads", "--model", str(tiny.source), "--precision", "w4a16",
+                 "--corpus", str(corpus), "--steps", "2", "--tokens", "800", "--seq-len", "32",
+                 "--draft-vocab", "64", "--out", str(out), "--threads", "1"]) == 0
+    card = json.loads((out / "card.json").read_text())
+    assert card["target_precision"] == "w4a16" and "--precision=w4a16" in card["recipe"]
+    target = load_model(str(tiny.source), precision="w4a16").model
+    make = drafter_factory(DrafterOptions("heads", heads=str(out)), target)
+    assert make is not None
+    plain = outputs(target, None, 0, 1)[0]
+    got, drafted, _ = outputs(target, make, 2, 1)
+    assert got == plain and drafted > 0
+    with pytest.raises(SpecDecodeError, match="trained for a different target"):
+        drafter_factory(DrafterOptions("heads", heads=str(out)), tiny.model)

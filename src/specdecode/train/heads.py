@@ -392,6 +392,9 @@ def add_heads_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="size of the draft's vocabulary: the most frequent corpus tokens")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--precision", default="fp32",
+                   help="the target's precision the heads draft for (fp32, bf16, w8a16, w4a16: "
+                        "its features and its head; heads are refused on any other)")
 
 
 def cmd_train_heads(args: argparse.Namespace) -> int:
@@ -404,7 +407,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         d, steps=args.steps or d.steps, train_tokens=args.tokens, seq_len=args.seq_len,
         batch=args.batch, lr=args.lr, draft_vocab=args.draft_vocab,
         checkpoint_every=args.checkpoint_every, seed=args.seed)
-    loaded = load_model(args.model, "fp32", "native")
+    loaded = load_model(args.model, args.precision, "native")
     recipe = "specdecode " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train"] else \
         "specdecode train heads " + shlex.join(_argv_of(args))
     result = train_heads(loaded, args.corpus, cfg, Path(args.out), args.resume, True, recipe)
@@ -416,5 +419,6 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
-    out = [f"--steps={args.steps}", f"--out={args.out}", f"--seed={args.seed}"]
+    out = [f"--steps={args.steps}", f"--out={args.out}", f"--seed={args.seed}",
+           f"--precision={args.precision}"]
     return out + [f"--corpus={c}" for c in args.corpus or []]
