@@ -39,7 +39,7 @@ import torch
 from specdecode.bench.hardware import machine_summary
 from specdecode.bench.workloads import Prompt, load_default_workload, load_workload
 from specdecode.calibration import calibrated_costs
-from specdecode.control import Controller
+from specdecode.control import Controller, CostModel
 from specdecode.drafters import auto
 from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.registry import drafter_factory
@@ -179,7 +179,7 @@ def decode(target: Any, tokenizer: Any, configs: str, workload: list[Prompt],
     specs = {spec: options_of(spec) for spec in configs.split(";")}
     factories = {spec: drafter_factory(o, target, tokenizer=tokenizer)
                  for spec, (o, _, _) in specs.items()}
-    costs = calibrated_costs(target, [1], 8, context=256)
+    costs = CostModel(target_s=calibrated_costs(target, [1], 8, context=256))
     eos = list(tokenizer.eos_ids)
     rates: dict[str, list[tuple[float, float]]] = {"plain": []}
     counters: dict[str, list[Any]] = {spec: [] for spec in specs}
