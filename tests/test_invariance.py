@@ -247,3 +247,69 @@ def test_grouped_int8_head_reproduces_q8_0_blocks_and_the_tied_rows(tiny: LlamaM
     model = apply_precision(tiny, "w4a16")
     assert isinstance(model.lm_head, GroupedInt8Linear) and isinstance(model.embed, TiedEmbedding)
     assert measure(model).exact
+
+
+def _q4_1(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """A matrix as GGUF's Q4_1 de-quantizes: code * d + m per group of 32, d and m fp16."""
+    codes = torch.randint(0, 16, (rows, cols), generator=gen).float()
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # each block spans its range
+    d = (torch.rand(rows, cols // 32, generator=gen) * 0.02).half().float()
+    m = (-torch.rand(rows, cols // 32, generator=gen) * 0.1).half().float()
+    return codes * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+
+
+def test_checkpoint_precision_holds_q4_1_blocks_exactly(tiny: LlamaModel) -> None:
+    """precision "checkpoint": every matrix in the smallest panels that hold it bit for bit. A
+    model whose matrices are Q4_1-de-quantized gets 4-bit panels with the blocks' own d and m and
+    matches the fp32 model up to summation order; a perturbed weight (the broken variant) is not
+    taken for a block; random weights stay fp32."""
+    import copy
+
+    from specdecode.models.precision import PanelLinear, recover_q4_1
+
+    gen = torch.Generator().manual_seed(11)
+    w = _q4_1(32, 64, gen)
+    blocks = recover_q4_1(w)
+    assert blocks is not None
+    codes, d, m = blocks
+    assert torch.equal(codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1), w)
+    broken = w.clone()
+    broken[3, 5] += 1e-4
+    assert recover_q4_1(broken) is None
+    model = copy.deepcopy(tiny)
+    with torch.no_grad():
+        for block in model.layers:
+            for name in ("qkv", "gate_up"):
+                lin = getattr(block, name)
+                lin.weight.copy_(_q4_1(*lin.weight.shape, gen))
+    ck = apply_precision(model, "checkpoint")
+    kinds = [m.panels.kind for b in ck.layers for m in (b.qkv, b.gate_up, b.o, b.down)
+             if isinstance(m, PanelLinear)]
+    assert kinds.count(kernels.KIND_I4) == 2 * len(ck.layers)  # qkv, gate_up: their blocks
+    assert kinds.count(kernels.KIND_F32) == 2 * len(ck.layers)  # o, down: random, fp32
+    assert measure(ck).exact
+    ids = torch.randint(2, 90, (2, 12), generator=gen)
+    with torch.inference_mode():
+        ref = model(ids, model.new_cache(2, 16))
+        got = ck(ids, ck.new_cache(2, 16))
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+    assert drafter_factory("ngram", ck) is not None
+
+
+def test_smollm_checkpoint_precision_is_the_gguf_at_4_bits(smollm: Any) -> None:
+    """On SmolLM2 (a Q4_1 GGUF with a Q8_0 table) "checkpoint" holds every block matrix as 4-bit
+    panels and the tied head as grouped int8, a tenth of the fp32 target's weight bytes, and
+    agrees with fp32 on every teacher-forced position (KL ~1e-10); w4a16 (bf16-rounded inputs)
+    does not (the broken variant of "the same weights": top-1 below 1)."""
+    from specdecode.agreement import precision_agreement
+    from specdecode.models.precision import PanelLinear
+
+    ck = apply_precision(smollm.model, "checkpoint")
+    kinds = [m.panels.kind for m in ck.modules() if isinstance(m, PanelLinear)]
+    assert kinds.count(kernels.KIND_I4) == 4 * smollm.model.cfg.num_layers
+    assert kinds.count(kernels.KIND_I8G) == 1
+    assert ck.weight_bytes() < smollm.model.weight_bytes() / 8
+    got = {a.precision: a for a in precision_agreement(smollm.model, smollm.tokenizer,
+                                                       ("checkpoint", "w4a16"))}
+    assert got["checkpoint"].top1 == 1.0 and got["checkpoint"].mean_kl < 1e-8, got
+    assert got["w4a16"].top1 < 1.0, got

@@ -284,14 +284,14 @@ class LlamaModel(nn.Module):
         The measured invariance is forgotten (it belongs to the kernels that were measured)."""
         if exact and not kernels.available():
             raise RuntimeError(f"row-invariant kernels unavailable: {kernels.build_error()}")
-        from specdecode.models.precision import GroupedInt8Linear, PackedLinear, WeightOnlyLinear
+        from specdecode.models.precision import PackedLinear, PanelLinear, WeightOnlyLinear
 
         self.exact = exact
         self.invariance = None
         for module in self.modules():
             if isinstance(module, Linear | Block):
                 module.exact = exact
-            elif isinstance(module, PackedLinear | WeightOnlyLinear | GroupedInt8Linear):
+            elif isinstance(module, PackedLinear | WeightOnlyLinear | PanelLinear):
                 module.set_exact(exact)
         return self
 
@@ -301,8 +301,10 @@ class LlamaModel(nn.Module):
         from specdecode.models import precision as prec
 
         def matrix(w: torch.Tensor, b: torch.Tensor | None) -> nn.Module:
+            if precision == "checkpoint":
+                return prec.checkpoint_matrix(w, b)
             if precision in prec.WEIGHT_ONLY:
-                return prec.WeightOnlyLinear(precision, w, b)
+                return prec.WeightOnlyLinear(precision, w, b, exact=self.exact)
             return prec.PackedLinear(precision, w, b)
 
         with torch.device("meta"):
@@ -315,11 +317,17 @@ class LlamaModel(nn.Module):
                 setattr(dst, name, matrix(*prec.float_weight(getattr(src, name))))
         embed = prec.float_weight(self.embed)[0]
         head = prec.float_weight(self.lm_head)[0]
+        tied = self.cfg.tie_embeddings and torch.equal(embed, head)
+        if precision == "checkpoint":  # the head held exactly too; a tied table once
+            new.lm_head = prec.checkpoint_matrix(head, None)
+            new.embed = prec.TiedEmbedding(new.lm_head) if tied and \
+                new.lm_head.panels.kind in (kernels.KIND_F32, kernels.KIND_I8G) \
+                else nn.Embedding.from_pretrained(embed)
+            return new.set_exact(self.exact).eval()
         if precision in prec.WEIGHT_ONLY and self.exact and head.shape[1] % prec.GROUP == 0:
             # on the kernels: an int8 head per group of 32 (exact for a GGUF's Q8_0 table)
             new.lm_head = prec.GroupedInt8Linear(head)
-            new.embed = prec.TiedEmbedding(new.lm_head) if self.cfg.tie_embeddings and \
-                torch.equal(embed, head) else prec.Bf16Embedding(embed)
+            new.embed = prec.TiedEmbedding(new.lm_head) if tied else prec.Bf16Embedding(embed)
             return new.set_exact(self.exact).eval()
         bf16_ends = precision in ("bf16", *prec.WEIGHT_ONLY)  # fp32 logits from bf16 weights
         new.embed = prec.Bf16Embedding(embed) if bf16_ends else prec.Int8Embedding(embed)

@@ -55,7 +55,7 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
 
-PRECISIONS = ("fp32", "bf16", "int8", "w8a16", "w4a16")
+PRECISIONS = ("fp32", "checkpoint", "bf16", "int8", "w8a16", "w4a16")
 WEIGHT_ONLY = ("w8a16", "w4a16")
 GROUP = 32  # inputs per 4-bit group (w4a16)
 FP16_MAX = 65504.0
@@ -148,6 +148,25 @@ def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, 
     return q, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
 
 
+def recover_q4_1(w: torch.Tensor, group: int = GROUP
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The 4-bit blocks a matrix was de-quantized from, if it was: GGUF's Q4_1 stores per group
+    of 32 inputs an fp16 scale d and minimum m, w = code * d + m (computed in fp32), the smallest
+    weight of a group with code 0 and the largest with code 15. Returns (codes (rows, cols) 0..15,
+    d, m (rows, cols / group) fp32) when every weight comes back bit for bit, else None."""
+    rows, cols = w.shape
+    if cols % group:
+        return None
+    g = w.reshape(rows, cols // group, group)
+    m = g.amin(dim=-1)
+    d = ((g.amax(dim=-1) - m) / 15).half().float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    codes = torch.round((g - m[..., None]) / safe[..., None]).clamp_(0, 15)
+    if not torch.equal(codes * d[..., None] + m[..., None], g):
+        return None
+    return codes.to(torch.uint8).reshape(rows, cols), d, m
+
+
 class WeightOnlyLinear(nn.Module):
     """y = x W^T + b with W held int8 per output channel ("w8a16") or 4-bit per group of 32
     inputs ("w4a16"); x is rounded to bf16 for the product, y is fp32. Row-invariant.
@@ -157,7 +176,8 @@ class WeightOnlyLinear(nn.Module):
     products of the bf16-rounded inputs, fp32 outputs, a whole block per call). Either converts
     to the other exactly."""
 
-    def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                 exact: bool = False) -> None:
         super().__init__()
         self.kind = kind
         self.out_features, self.in_features = weight.shape
@@ -167,6 +187,13 @@ class WeightOnlyLinear(nn.Module):
         self.q: torch.Tensor | None  # int8 (out, in), or the 4-bit kernel's packed layout
         self.scales: torch.Tensor | None  # bf16 (out,), or scale/zero pairs (in / 32, out, 2)
         self.panels: kernels.Panels | None = None  # exact: kernels.c's layout instead
+        blocks = recover_q4_1(w) if kind == "w4a16" and exact else None
+        if blocks is not None:  # the checkpoint's own 4-bit blocks: held exactly, fp32 d and m
+            codes, d, m = blocks
+            self.panels = kernels.pack_int4(codes, d, m, self.bias)
+            self.register_buffer("q", None)
+            self.register_buffer("scales", None)
+            return
         if kind == "w8a16":
             q, scales = quantize_rows(w, torch.bfloat16)
         else:
@@ -272,19 +299,15 @@ def quantize_row_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tens
     return codes.reshape(rows, cols), scales
 
 
-class GroupedInt8Linear(nn.Module):
-    """The LM head of the weight-only precisions on the row-invariant kernels: int8 per output
-    row and group of 32 inputs (GGUF's Q8_0 layout, in which SmolLM2's tied embedding is stored:
-    reproduced exactly), fp32 inputs and sums. Against a bf16 head it reads half the bytes per
-    step (the head is ~a third of a 4-bit SmolLM2 step's weight traffic) and matches the
-    checkpoint closer. Without the kernels it multiplies the same weight with PyTorch."""
+class PanelLinear(nn.Module):
+    """y = x W^T + b with W held only in the row-invariant kernels' panels (models.kernels: fp32,
+    int8 per group or 4-bit per group); without the kernels, the same weight through PyTorch."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, panels: kernels.Panels) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        codes, scales = quantize_row_groups(weight.detach().float())
-        self.panels = kernels.pack_int8_groups(codes, scales)
-        self.nbytes = self.panels.nbytes
+        self.panels = panels
+        self.out_features, self.in_features = panels.n, panels.k
+        self.nbytes = panels.nbytes
         self.exact = True
         self._dense: torch.Tensor | None = None
 
@@ -298,30 +321,59 @@ class GroupedInt8Linear(nn.Module):
         return kernels.weight_of(self.panels)
 
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows of the weight for `tokens` (an embedding lookup of the tied table), fp32."""
+        """Rows of the weight for `tokens` (an embedding lookup of a tied table), fp32."""
         flat = tokens.reshape(-1)
         p, c = flat // kernels.PANEL, flat % kernels.PANEL
-        codes = self.panels.w[p, :, c].float()  # (n, in)
-        assert self.panels.scale is not None
-        scales = self.panels.scale[p, :, c]  # (n, in / 32)
-        out = codes * scales.repeat_interleave(GROUP, dim=1)
-        return out.view(*tokens.shape, self.in_features)
+        values = self.panels.w[p, :, c].float()  # (n, in)
+        if self.panels.kind == kernels.KIND_I8G:
+            assert self.panels.scale is not None
+            values = values * self.panels.scale[p, :, c].repeat_interleave(GROUP, dim=1)
+        elif self.panels.kind != kernels.KIND_F32:
+            raise ValueError("rows() reads fp32 or grouped int8 panels")
+        return values.view(*tokens.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.exact and kernels.available():
             return kernels.matmul(x, self.panels)
         if self._dense is None:
             self._dense = self.dequantized()
-        return torch.nn.functional.linear(x.float(), self._dense)
+        return torch.nn.functional.linear(x.float(), self._dense, self.panels.bias)
 
     def extra_repr(self) -> str:
-        return f"int8 per group of {GROUP}, in={self.in_features}, out={self.out_features}"
+        return f"kind {self.panels.kind}, in={self.in_features}, out={self.out_features}"
+
+
+class GroupedInt8Linear(PanelLinear):
+    """The LM head of the weight-only precisions on the row-invariant kernels: int8 per output
+    row and group of 32 inputs (GGUF's Q8_0 layout, in which SmolLM2's tied embedding is stored:
+    reproduced exactly), fp32 inputs and sums. Against a bf16 head it reads half the bytes per
+    step (the head is ~a third of a 4-bit SmolLM2 step's weight traffic) and matches the
+    checkpoint closer."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        codes, scales = quantize_row_groups(weight.detach().float())
+        super().__init__(kernels.pack_int8_groups(codes, scales))
+
+
+def checkpoint_matrix(weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
+    """A matrix of the "checkpoint" precision: the smallest panels that hold `weight` bit for
+    bit: the 4-bit blocks it was de-quantized from (GGUF Q4_1), else int8 per group (Q8_0), else
+    fp32; inputs are not rounded, so the products differ from fp32's only by summation order."""
+    w = weight.detach().float()
+    blocks = recover_q4_1(w)
+    if blocks is not None:
+        return PanelLinear(kernels.pack_int4(*blocks, bias, round_x=False))
+    if w.shape[1] % GROUP == 0:
+        codes, scales = quantize_row_groups(w)
+        if torch.equal(codes.float() * scales.repeat_interleave(GROUP, dim=1), w):
+            return PanelLinear(kernels.pack_int8_groups(codes, scales, bias))
+    return PanelLinear(kernels.pack_float(w, torch.float32, bias))
 
 
 class TiedEmbedding(nn.Module):
-    """Embedding rows read from a GroupedInt8Linear head (a tied table held once)."""
+    """Embedding rows read from a PanelLinear head (a tied table held once)."""
 
-    def __init__(self, head: GroupedInt8Linear) -> None:
+    def __init__(self, head: PanelLinear) -> None:
         super().__init__()
         self.head = [head]  # a list: not a submodule, so its bytes are counted once
 
@@ -341,8 +393,8 @@ def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         return w.dequantize(), b
     if isinstance(module, WeightOnlyLinear):
         return module.dequantized(), module.bias
-    if isinstance(module, GroupedInt8Linear):
-        return module.dequantized(), None
+    if isinstance(module, PanelLinear):
+        return module.dequantized(), module.panels.bias
     if isinstance(module, TiedEmbedding):
         return module.head[0].dequantized(), None
     if isinstance(module, Int8Embedding):
@@ -416,6 +468,9 @@ def weight_only_kernels() -> list[str]:
 
 def _missing(precision: str) -> str | None:
     """Why this build and CPU cannot run `precision`, or None if they can."""
+    if precision == "checkpoint":
+        error = kernels.build_error()
+        return None if error is None else f"it needs the row-invariant kernels ({error})"
     if precision in WEIGHT_ONLY:
         need = "_weight_int8pack_mm" if precision == "w8a16" else "_weight_int4pack_mm_for_cpu"
         if need not in weight_only_kernels():
