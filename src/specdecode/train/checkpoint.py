@@ -154,9 +154,12 @@ def weights_sha256(model: Any) -> str:
     cached = getattr(model, "_specdecode_weights_sha256", None)
     if isinstance(cached, str):
         return cached
+    from specdecode.models.llama import LlamaModel
+
     h = hashlib.sha256()
     seen: set[int] = set()
-    for name, t in sorted(model.state_dict().items()):
+    state = model.identity_state() if isinstance(model, LlamaModel) else model.state_dict()
+    for name, t in sorted(state.items()):
         if not isinstance(t, torch.Tensor) or t.is_quantized or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
