@@ -163,14 +163,15 @@ def test_unsupported_precision_names_the_precision_the_cpu_and_what_works(
     monkeypatch.setattr(precision, "quantized_engines", lambda: ["qnnpack"])
     for p in ("bf16", "int8", "w8a16"):
         with pytest.raises(SpecDecodeError, match=rf"precision {p} .*{precision.cpu_name()}"
-                           r".*fbgemm.*precisions that work here: fp32$"):
+                           r".*fbgemm.*precisions that work here: fp32(, checkpoint)?$"):
             apply_precision(tiny, p)
     monkeypatch.undo()
     monkeypatch.setattr(precision, "weight_only_kernels", lambda: ["_weight_int8pack_mm"])
     with pytest.raises(SpecDecodeError, match=r"precision w4a16 .*_weight_int4pack_mm_for_cpu.*"
-                       r"precisions that work here: fp32, bf16, int8, w8a16$"):
+                       r"precisions that work here: fp32, (checkpoint, )?bf16, int8, w8a16$"):
         apply_precision(tiny, "w4a16")
-    with pytest.raises(SpecDecodeError, match=r"unknown precision 'fp8' \(supported: fp32, bf16"):
+    with pytest.raises(SpecDecodeError,
+                       match=r"unknown precision 'fp8' \(supported: auto, fp32, checkpoint, bf16"):
         apply_precision(tiny, "fp8")
 
 
@@ -182,7 +183,8 @@ def test_compare_logits_sees_disagreement() -> None:
 
 
 def test_agreement_with_fp32_on_smollm(smollm: LoadedModel) -> None:
-    """bf16 follows fp32 closely, the weight-only precisions nearly as well, int8 (dynamic
+    """bf16 and the weight-only precisions follow fp32 closely (on the kernels the weight-only
+    ones hold the GGUF's own blocks, and w4a16 then agrees better than bf16), int8 (dynamic
     activations) less; the measure can fail."""
     fp32 = smollm.model
     ids = smollm.tokenizer.encode(BUILTIN_TEXT)
@@ -192,8 +194,9 @@ def test_agreement_with_fp32_on_smollm(smollm: LoadedModel) -> None:
     bf16, int8, w8, w4 = precision_agreement(fp32, smollm.tokenizer, chunk=64)
     assert bf16.top1 >= 0.97 and bf16.mean_kl < 1e-3
     assert int8.top1 < bf16.top1 and int8.mean_kl > 10 * bf16.mean_kl
-    for weight_only in (w8, w4):  # measured 0.94 / 0.96 top-1, KL 0.005 / 0.002 (int8: 0.76, 0.18)
-        assert int8.top1 < weight_only.top1 <= bf16.top1 and weight_only.mean_kl < 0.02
+    for weight_only in (w8, w4):
+        assert int8.top1 < weight_only.top1 and weight_only.top1 >= 0.9
+        assert weight_only.mean_kl < 0.02 and weight_only.mean_kl < int8.mean_kl / 10
     broken = copy.deepcopy(fp32)
     with torch.no_grad():
         broken.layers[12].down.weight.mul_(1.5)
