@@ -110,7 +110,7 @@ def test_every_config_runs_on_every_target_and_the_peer_at_batch_1_only() -> Non
 
 
 def namespace(**kw: Any) -> argparse.Namespace:
-    base = {"targets": "fp32,bf16", "configs": None, "precision": "fp32", "backend": "auto",
+    base = {"targets": "fp32,bf16", "configs": None, "precision": "auto", "backend": "auto",
             "fidelity": None, "model": "/nowhere/model-folder", "endpoint": None}
     return argparse.Namespace(**{**base, **kw})
 
@@ -120,6 +120,18 @@ def planned(args: argparse.Namespace) -> tuple[Any, ...]:
                                                  "fp32"))
 
 
+def test_plan_accepts_the_parsers_own_defaults() -> None:
+    """`bench --targets` as a user types it: the parser's defaults (--precision auto) are not
+    mistaken for a --precision given (a check against the old default fp32 refused every run)."""
+    from specdecode.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--targets", "fp32,checkpoint",
+                                      "--model", "/nowhere/model-folder"])
+    configs, _, _ = planned(args)
+    assert [c.target for c in configs][:4] == ["fp32", "fp32", "fp32", "checkpoint"]
+    assert {c.precision for c in configs} == {"fp32", "checkpoint"}
+
+
 def test_plan_refuses_what_cannot_be_a_targets_run() -> None:
     configs, _, no_reference = planned(namespace())
     assert [c.name for c in configs] == ["fp32/plain", "fp32/ngram-kauto",
@@ -127,6 +139,7 @@ def test_plan_refuses_what_cannot_be_a_targets_run() -> None:
                                          "bf16/ngram-kauto", "bf16/ngram+w4a16-kauto"]
     assert no_reference is not None and "not a GGUF" in no_reference  # so no peer measured
     for bad, message in (({"precision": "bf16"}, "leave --precision and --backend out"),
+                         ({"precision": "fp32"}, "leave --precision and --backend out"),
                          ({"backend": "llama.cpp"}, "leave --precision and --backend out"),
                          ({"endpoint": ["http://x"]}, "use one or the other"),
                          ({"fidelity": "kl=-1"}, "--fidelity must be"),

@@ -2,8 +2,8 @@
 interleaved run over the same prompts, to answer "what is the fastest lossless way to run this
 model here, at the fidelity I need?" (the analysis: `bench.frontier`).
 
-Each target is a precision of the native runner (fp32, bf16, int8, w8a16, w4a16) or the GGUF on
-the llama.cpp backend (`llama.cpp`). Every target runs every configuration of `--configs`
+Each target is a precision of the native runner (fp32, checkpoint, bf16, int8, w8a16, w4a16)
+or the GGUF on the llama.cpp backend (`llama.cpp`). Every target runs every configuration of `--configs`
 (default `DEFAULT_TARGET_CONFIGS`: plain decoding, the n-gram lookup and the hybrid
 ngram+w4a16, both under `--k auto`), named `<target>/<config>` and measured against the plain
 decoding of its own target. Where llama-cpp-python is installed and the model is a GGUF, its own
@@ -47,7 +47,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 
 LLAMACPP = "llama.cpp"
-NATIVE_TARGETS = ("fp32", "bf16", "int8", "w8a16", "w4a16")
+NATIVE_TARGETS = ("fp32", "checkpoint", "bf16", "int8", "w8a16", "w4a16")
 TARGETS = (*NATIVE_TARGETS, LLAMACPP)
 ALIASES = {"llamacpp": LLAMACPP, "gguf": LLAMACPP}
 DEFAULT_TARGET_CONFIGS = "plain;ngram:k=auto;ngram+w4a16:k=auto"
@@ -142,11 +142,12 @@ def plan_targets(args: argparse.Namespace, batch_sizes: Sequence[int],
     DEFAULT_TARGET_CONFIGS), those left out, and why there is no llama-cpp-python reference
     (None: there is); checked before anything loads."""
     from specdecode.bench.frontier import parse_fidelity
+    from specdecode.models.precision import AUTO
 
     if getattr(args, "endpoint", None):
         raise SpecDecodeError("--targets measures targets in process; --endpoint measures "
                               "servers: use one or the other")
-    if args.precision != "fp32" or args.backend != "auto":
+    if args.precision != AUTO or args.backend != "auto":
         raise SpecDecodeError("--targets names each target's precision and backend (e.g. "
                               "--targets fp32,bf16,w4a16,llama.cpp): leave --precision and "
                               "--backend out")
