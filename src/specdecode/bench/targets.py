@@ -3,8 +3,8 @@ interleaved run over the same prompts, to answer "what is the fastest lossless w
 model here, at the fidelity I need?" (the analysis: `bench.frontier`).
 
 Each target is a precision of the native runner (fp32, checkpoint, bf16, int8, w8a16, w4a16)
-or the GGUF on the llama.cpp backend (`llama.cpp`). Every target runs every configuration of `--configs`
-(default `DEFAULT_TARGET_CONFIGS`: plain decoding, the n-gram lookup and the hybrid
+or the GGUF on the llama.cpp backend (`llama.cpp`). Every target runs every configuration of
+`--configs` (default `DEFAULT_TARGET_CONFIGS`: plain decoding, the n-gram lookup and the hybrid
 ngram+w4a16, both under `--k auto`), named `<target>/<config>` and measured against the plain
 decoding of its own target. Where llama-cpp-python is installed and the model is a GGUF, its own
 `Llama.generate` on the same file is measured beside them at batch size 1 (`PEER_NAME`, the

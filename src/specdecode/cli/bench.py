@@ -73,8 +73,8 @@ def register(sub: Any) -> None:
                         'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4)')
     b.add_argument("--targets", default=None, metavar="T1,T2,...",
                    help="measure several targets of the model in one interleaved run: native "
-                        "precisions (fp32, checkpoint, bf16, int8, w8a16, w4a16) and llama.cpp (the GGUF "
-                        "on llama.cpp); each runs every --configs item (default "
+                        "precisions (fp32, checkpoint, bf16, int8, w8a16, w4a16) and llama.cpp "
+                        "(the GGUF on llama.cpp); each runs every --configs item (default "
                         f"{DEFAULT_TARGET_CONFIGS!r}), llama-cpp-python's Llama.generate "
                         "is measured beside them where installed; the report shows speed "
                         "against fidelity (agreement with fp32) and recommends the fastest "
