@@ -144,6 +144,21 @@ def test_default_configs_include_ngram_where_registered() -> None:
     assert ("ngram:k=4" in text) == ("ngram" in commands.known_drafters())
 
 
+def test_default_configs_follow_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fast target is not drafted for by its own w4a16 copy; auto is fast only where the
+    kernels build (else it is fp32 and keeps fp32's defaults)."""
+    from specdecode.models import kernels
+
+    fast = "plain;ngram:k=auto;ngram+auto:k=auto"
+    assert commands.default_configs_text("auto", "w4a16") == fast
+    assert commands.default_configs_text("native", "checkpoint") == fast
+    assert commands.default_configs_text("llama.cpp", "auto").startswith("plain;ngram:k=auto;")
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    assert commands.default_configs_text("auto", "auto") == fast
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert commands.default_configs_text("auto", "auto").startswith("plain;ngram+w4a16:k=3")
+
+
 # ------------------------------------------------------------------------- good input
 
 

@@ -57,6 +57,7 @@ PEER_DEFAULT_K = {"llamacpp-generate": "1", "llamacpp-lookup": "10"}  # its own 
 # draft prefix expected to pay at the measured t(B, T)), a fixed k for comparison, and
 # llama-cpp-python's own plain decoding and prompt-lookup speculation as peers.
 LLAMACPP_CONFIGS = "plain;ngram:k=auto;ngram:k=4;llamacpp-generate;llamacpp-lookup:k=10"
+FAST_TARGET_CONFIGS = "plain;ngram:k=auto;ngram+auto:k=auto"
 
 # ------------------------------------------------------------------------------ configurations
 
@@ -173,15 +174,23 @@ def parse_configs(text: str, precision: str) -> list[ConfigSpec]:
     return configs
 
 
-def default_configs_text(backend: str = "auto") -> str:
-    """plain; prompt lookup then the w4a16 copy at k=3 (the drafter that paid most in
-    benchmarks/drafters.py, on every built-in and Spec-Bench category at batch 1, greedy:
+def default_configs_text(backend: str = "auto", precision: str = "fp32") -> str:
+    """The configurations `bench` measures when --configs is not given.
+
+    On the fp32 target: plain; prompt lookup then the w4a16 copy at k=3 (the drafter that paid
+    most in benchmarks/drafters.py, on every built-in and Spec-Bench category at batch 1, greedy:
     docs/measurements/code-figures.md); each of its two parts alone, the w4a16 copy at k=3 and
-    ngram k=4, so the report shows what the combination adds."""
+    ngram k=4, so the report shows what the combination adds. On a fast target (checkpoint, the
+    default where the kernels build, or bf16/w4a16) a w4a16 copy drafts at about the target's
+    own cost, so: plain, the lookup under the controller, and ngram+auto (the lookup, then the
+    model draft that measures cheapest for this target at load, or none)."""
     from specdecode.models.loading import LLAMACPP_NAMES
+    from specdecode.models.precision import resolve
 
     if backend in LLAMACPP_NAMES:
         return LLAMACPP_CONFIGS
+    if resolve(precision, backend in ("auto", "native")) != "fp32":
+        return FAST_TARGET_CONFIGS
     items = ["plain", "ngram+w4a16:k=3", "w4a16:k=3"]
     if "ngram" in known_drafters():
         items.append("ngram:k=4")
@@ -315,7 +324,8 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
         if getattr(args, "endpoint", None):
             configs = endpoint_configs_from(args)
         else:
-            configs = parse_configs(args.configs or default_configs_text(args.backend),
+            configs = parse_configs(args.configs or default_configs_text(args.backend,
+                                                                         args.precision),
                                     args.precision)
             check_invariant_target(args.precision, configs)
         grid = config_grid(configs, batch_sizes)

@@ -69,8 +69,9 @@ def register(sub: Any) -> None:
                         f"--workload repetitive: documents per category, default "
                         f"{DEFAULT_REPETITIVE_DOCUMENTS} from --specbench, all built-in ones)")
     b.add_argument("--configs", default=None,
-                   help='e.g. "plain;int8:k=3;ngram:k=4" (default: '
-                        'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4)')
+                   help='e.g. "plain;int8:k=3;ngram:k=4" (default on the fp32 target: '
+                        'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4; on a fast one, the '
+                        'default checkpoint included: plain;ngram:k=auto;ngram+auto:k=auto)')
     b.add_argument("--targets", default=None, metavar="T1,T2,...",
                    help="measure several targets of the model in one interleaved run: native "
                         "precisions (fp32, checkpoint, bf16, int8, w8a16, w4a16) and llama.cpp "
