@@ -56,9 +56,16 @@ def run_one(loaded: Any, ids: list[int], params: SamplingParams, drafter: Any, k
     tokens/s of its decoding phase alone: the tokens after the first step's, over the time
     after it; counters; the output tokens). Every configuration runs through the same
     batch-1 engine; `costs` given means --k auto (k is then kmax)."""
-    gen = Generation(loaded.model, None, ids, params, drafter, k, loaded.tokenizer.eos_ids)
+    return timed_decode(loaded.model, loaded.tokenizer.eos_ids, ids, params, drafter, k, costs)
+
+
+def timed_decode(model: Any, eos: list[int], ids: list[int], params: SamplingParams,
+                 drafter: Any, k: int, costs: CostModel | None = None
+                 ) -> tuple[float, float, Any, list[int]]:
+    """run_one on a bare model and its EOS ids."""
+    gen = Generation(model, None, ids, params, drafter, k, eos)
     controller = None if costs is None else Controller(kmax=k, costs=costs)
-    engine = BatchEngine(loaded.model, 1, gen.capacity, controller=controller)
+    engine = BatchEngine(model, 1, gen.capacity, controller=controller)
     start = time.perf_counter()
     engine.submit(gen)
     first, first_n = 0.0, 0

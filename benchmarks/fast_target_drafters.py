@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from drafters import timed_decode  # benchmarks/drafters.py, beside this script
 
 from specdecode.bench.hardware import machine_summary
 from specdecode.bench.workloads import Prompt, load_default_workload, load_workload
 from specdecode.calibration import calibrated_costs
-from specdecode.control import Controller, CostModel
+from specdecode.control import CostModel
 from specdecode.drafters import auto
 from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.registry import drafter_factory
-from specdecode.engine import BatchEngine, Generation
 from specdecode.models.loading import load_model, make_exact
 from specdecode.models.precision import apply_precision
 from specdecode.sampling import SamplingParams
@@ -159,19 +159,8 @@ def print_costs(precision: str, table: dict[str, Any]) -> None:
 def run_one(model: Any, eos: list[int], ids: list[int], params: SamplingParams, drafter: Any,
             k: int, costs: Any) -> tuple[float, float, Any]:
     """(tokens/s of the whole request, tokens/s after its first token, counters)."""
-    gen = Generation(model, None, ids, params, drafter, k, eos)
-    controller = None if costs is None else Controller(kmax=k, costs=costs)
-    engine = BatchEngine(model, 1, gen.capacity, controller=controller)
-    start = time.perf_counter()
-    engine.submit(gen)
-    first, first_n = 0.0, 0
-    while engine.busy:
-        engine.step()
-        if not first and gen.output:
-            first, first_n = time.perf_counter(), len(gen.output)
-    end = time.perf_counter()
-    n = len(gen.output)
-    return n / (end - start), (n - first_n) / max(1e-9, end - first), gen.counters
+    whole, after, counters, _ = timed_decode(model, eos, ids, params, drafter, k, costs)
+    return whole, after, counters
 
 
 def decode(target: Any, tokenizer: Any, configs: str, workload: list[Prompt],
