@@ -9,7 +9,9 @@ lives in a venv of its own; this module runs in either).
 Configurations (`CONFIGS`): `plain`; vLLM's own `ngram` (the lookup the issue tried: 4 tokens,
 matches of 2 to 4) and `suffix` (Arctic Inference's suffix tree; scripts/install_vllm.sh builds
 it); this project's `lookup` (integrations.vllm.NgramLookup) and `suffix-lookup`
-(SuffixLookup) as `custom_class` proposers; or any `--speculative-config` JSON.
+(SuffixLookup) as `custom_class` proposers; `distilled`, vLLM's `draft_model` with this
+project's distilled draft exported as a Hugging Face folder; or any `--speculative-config`
+JSON.
 
 The flags that work on a CPU (docs/serving.md, "vLLM"): float32 (SmolLM2's GGUF de-quantized
 exactly, as this project's fp32 target), `--enforce-eager` (no torch.compile), a KV cache of a
@@ -42,6 +44,7 @@ VENV_ENV = "SPECDECODE_VLLM_VENV"
 SRC = Path(__file__).resolve().parents[2]  # the folder holding this `specdecode` package
 INSTALL_HINT = "run `bash scripts/install_vllm.sh` (or set $SPECDECODE_VLLM_VENV to its venv)"
 MODEL_NAME = "smollm2"
+DISTILLED = "<the distilled draft's HF export>"  # filled in by speculative_config
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -51,6 +54,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
                "model": "specdecode.integrations.vllm.NgramLookup"},
     "suffix-lookup": {"method": "custom_class", "num_speculative_tokens": 8,
                       "model": "specdecode.integrations.vllm.SuffixLookup"},
+    # vLLM's draft-model speculation with this project's distilled draft, exported as an HF
+    # folder (drafters.distilled_hf) when the configuration is resolved; 2 tokens: the draft
+    # agrees with the target's greedy token on few Spec-Bench positions (docs/measurements/vllm.md)
+    "distilled": {"method": "draft_model", "num_speculative_tokens": 2, "model": DISTILLED},
 }
 
 
@@ -77,10 +84,23 @@ def model_folder() -> Path:
     return resolve_folder(None)[0]
 
 
+def distilled_folder() -> Path:
+    """The shipped distilled draft for SmolLM2 as a Hugging Face folder (exported once into the
+    cache: drafters.distilled_hf)."""
+    from specdecode.drafters.distilled import DEFAULT_DIR
+    from specdecode.drafters.distilled_hf import cached_hf_export
+    from specdecode.models.loading import default_model_path
+
+    return cached_hf_export(DEFAULT_DIR, default_model_path())
+
+
 def speculative_config(config: str) -> dict[str, Any] | None:
     """A configuration's `--speculative-config` (None: plain): a name of CONFIGS or JSON."""
     if config in CONFIGS:
-        return CONFIGS[config]
+        spec = CONFIGS[config]
+        if spec is not None and spec.get("model") == DISTILLED:
+            return {**spec, "model": str(distilled_folder())}
+        return spec
     try:
         value = json.loads(config)
     except json.JSONDecodeError:
