@@ -10,8 +10,9 @@ prompts; on a 24 GiB machine three vLLM servers fit beside other work, so the co
 measured in groups, each with vLLM plain as its baseline):
 
 1. starts them: vLLM configurations of integrations.vllm_server.CONFIGS by name, and `own`, this
-   project's server (`specdecode serve --drafter ngram+w4a16 --k auto`); each with --threads
-   torch threads (OMP_NUM_THREADS), vLLM with a 256 MiB KV cache;
+   project's server (`specdecode serve --drafter ngram --k auto`, the checkpoint precision);
+   each with --threads threads (OMP_NUM_THREADS), vLLM with a 256 MiB KV cache; `distilled` is
+   vLLM's draft_model with this project's distilled draft (exported on first use);
 2. audits every speculative vLLM server against vLLM plain (`audit --endpoint`, greedy, the
    first --audit-per-category prompts of each category, at concurrency 1 and 8), writing
    audit-NAME-cC.json;
@@ -39,7 +40,9 @@ from specdecode.integrations.vllm_server import CONFIGS, Launch, Server
 
 SPECBENCH = "/work/shared/data/specbench/question.jsonl"
 CATEGORIES = "summarization,rag,coding,writing"
-OWN = ["--drafter", "ngram+w4a16", "--k", "auto", "--max-batch", "8"]
+# the own server's best configuration on a fast target: the checkpoint precision (auto) with the
+# n-gram lookup at an adaptive k (docs/measurements/2026-12-04-fast-exact-targets.md)
+OWN = ["--drafter", "ngram", "--k", "auto", "--max-batch", "8"]
 
 
 class OwnServer:
@@ -51,8 +54,8 @@ class OwnServer:
         with log.open("wb") as sink:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(port),
-                 "--log-level", "warning", *OWN], stdout=sink, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True)
+                 "--log-level", "warning", "--threads", str(threads), *OWN], stdout=sink,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.log = log
 
     def wait_ready(self, timeout_s: float) -> None:

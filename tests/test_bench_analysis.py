@@ -281,6 +281,33 @@ def test_token_identity_pairs_greedy_and_seeded_invariant_requests_only() -> Non
     assert token_identity_audit(spec, base, mine, theirs).n_failed == 1  # type: ignore[union-attr]
 
 
+def test_remote_outputs_are_compared_and_searched_by_their_text() -> None:
+    """A remote server streams text, not ids: its samples carry `text_ids` stand-ins. Two
+    servers may count one text's tokens differently (vLLM's usage counts the end-of-sequence
+    token), so identity compares texts, and a loop is searched in the text, not in n copies of
+    one CRC."""
+    from specdecode.bench.analysis import loops, token_identity_audit
+    from specdecode.bench.records import text_ids
+
+    def remote(text: str, tokens: int, config: str = "plain", pid: str = "p") -> RequestSample:
+        return sample(pid, tokens=tokens, config=config, text=text,
+                      output_token_ids=text_ids(text, tokens))
+
+    answer = "The capital of France is Paris. It lies on the Seine, in the north."
+    base, spec = plain(), ngram()
+    theirs = [remote(answer, 17)]
+    same = token_identity_audit(spec, base, [remote(answer, 16, "ngram-k4")], theirs)
+    assert same is not None and same.passed  # one text, counted 16 and 17 tokens
+    changed = answer.replace("north", "south")
+    bad = token_identity_audit(spec, base, [remote(changed, 17, "ngram-k4")], theirs)
+    assert bad is not None and not bad.passed and "at text piece 26" in bad.details
+    assert remote(answer, 17).output_units()[0] == "The"
+    assert not loops(remote(answer, 17))  # the stand-ins alone would repeat 13 of 14 4-grams
+    assert loops(remote("and then " * 20, 40))
+    local = sample("p", tokens=6, output_token_ids=[3, 1, 4, 1, 5, 9], text="x")
+    assert local.output_units() == [3, 1, 4, 1, 5, 9]  # real ids are compared as ids
+
+
 def test_tpot_and_chunk_gaps_are_what_a_streaming_client_sees() -> None:
     """A speculative request: TTFT 0.1 s, then steps emitting 3, 1 and 4 tokens 0.2 s apart.
     Per-token ITL has a median of 0 (the tokens after each step's first); TPOT and the gaps

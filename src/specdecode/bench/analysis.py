@@ -451,23 +451,23 @@ def batch_clusters(pairs: Sequence[tuple[RequestSample, RequestSample]]) -> list
 LOOP_SHARE = 0.5  # an output at least this repetitive "loops" (see self_repeat)
 
 
-def self_repeat(tokens: Sequence[int], n: int = 4) -> float:
+def self_repeat(tokens: Sequence[int] | Sequence[str], n: int = 4) -> float:
     """The share of an output's n-grams that repeat its own earlier n-grams: near 1 for a small
     model looping at greedy (as SmolLM2-135M does on most Spec-Bench summarization prompts:
     docs/measurements/code-figures.md), low for an answer that ends by itself (copying a passage
     of the prompt once does not count). A lookup drafts a loop for free, so speedups measured
     on looping outputs overstate those on outputs that end by themselves."""
-    seen: set[tuple[int, ...]] = set()
+    seen: set[tuple[object, ...]] = set()
     repeated = 0
     for i in range(len(tokens) - n + 1):
-        gram = tuple(tokens[i:i + n])
+        gram: tuple[object, ...] = tuple(tokens[i:i + n])
         repeated += gram in seen
         seen.add(gram)
     return repeated / max(1, len(tokens) - n + 1)
 
 
 def loops(sample: RequestSample) -> bool:
-    return self_repeat(sample.output_token_ids) >= LOOP_SHARE
+    return self_repeat(sample.output_units()) >= LOOP_SHARE
 
 
 # ------------------------------------------------------------------------ per-config aggregates
@@ -793,16 +793,17 @@ def token_identity_audit(
              if (s.prompt_id, s.turn) in by_unit and _paired(by_unit[(s.prompt_id, s.turn)], s)]
     if not pairs:
         return None
-    failed = [(p, s) for p, s in pairs if p.output_token_ids != s.output_token_ids]
+    failed = [(p, s) for p, s in pairs if p.output_units() != s.output_units()]
     sampled = sum(s.temperature > 0 for _, s in pairs)
     details = (f"{len(pairs) - sampled} greedy" + (f" and {sampled} seeded sampled" if sampled
                else "") + f" requests compared with {baseline.name}")
     if failed:
         p, s = failed[0]
-        pos = next((i for i, (a, b) in enumerate(zip(p.output_token_ids, s.output_token_ids,
-                                                     strict=False)) if a != b),
-                   min(len(p.output_token_ids), len(s.output_token_ids)))
-        details += f"; first difference: prompt {s.prompt_id} turn {s.turn} at token {pos}"
+        a_units, b_units = p.output_units(), s.output_units()
+        pos = next((i for i, (a, b) in enumerate(zip(a_units, b_units, strict=False)) if a != b),
+                   min(len(a_units), len(b_units)))
+        unit = "token" if a_units is p.output_token_ids else "text piece"
+        details += f"; first difference: prompt {s.prompt_id} turn {s.turn} at {unit} {pos}"
     method = "seeded-token-identity" if sampled else "greedy-token-identity"
     return AuditVerdict(config=spec.name, passed=not failed, method=method,
                         n_compared=len(pairs), n_failed=len(failed), details=details,

@@ -213,9 +213,9 @@ def ratio(analysis: Analysis, mine: ConfigSummary, theirs: ConfigSummary | None,
 def same_outputs(mine: Sequence[RequestSample], reference: Sequence[RequestSample]
                  ) -> tuple[int, int] | None:
     """(requests whose greedy output equals the reference's, greedy requests compared)."""
-    ref = {(s.prompt_id, s.turn): s.output_token_ids for s in reference
+    ref = {(s.prompt_id, s.turn): s.output_units() for s in reference
            if s.temperature == 0.0 and not s.failed}
-    pairs = [(s.output_token_ids, ref[(s.prompt_id, s.turn)]) for s in mine
+    pairs = [(s.output_units(), ref[(s.prompt_id, s.turn)]) for s in mine
              if s.temperature == 0.0 and not s.failed and (s.prompt_id, s.turn) in ref]
     return (sum(a == b for a, b in pairs), len(pairs)) if pairs else None
 

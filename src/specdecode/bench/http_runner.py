@@ -26,7 +26,8 @@ One request (one turn of one prompt):
   to their text's length. The ITL values (the gaps and the number of zeros) are exact; only which
   token a zero belongs to is estimated, and no statistic depends on that.
 - Token ids are not streamed: `output_token_ids` holds the output's token count copies of a CRC
-  of its text, so the harness's greedy check compares texts (and lengths) with plain decoding's.
+  of its text (`records.text_ids`), and comparisons and loop searches use the text's pieces
+  (`RequestSample.output_units`): two servers' token counts for one text may differ.
 - Acceptance: read from the endpoint's /metrics before and after each batch (see
   `bench.http_metrics`: this server's names and vLLM's); the whole batch's counts go on its first
   request (the others get none), so totals per configuration are exact but per-category
@@ -54,7 +55,6 @@ import asyncio
 import json
 import math
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +77,7 @@ from specdecode.bench.records import (
     CostCurve,
     MemoryRecord,
     RequestSample,
+    text_ids,
 )
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt
@@ -314,11 +315,6 @@ def timings(stream: Stream) -> tuple[float, list[float], int]:
         last, tokens = arrival, tokens + n
     latency = stream.end - stream.start
     return (ttft if ttft is not None else latency), itl, tokens
-
-
-def text_ids(text: str, n: int) -> list[int]:
-    """n copies of a CRC of the text: stand-ins for token ids, equal exactly when texts are."""
-    return [zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF] * n
 
 
 @dataclass(frozen=True)

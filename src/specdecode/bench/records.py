@@ -48,6 +48,8 @@ own_cores, load1, cores); empty when not recorded (files written before it exist
 from __future__ import annotations
 
 import math
+import re
+import zlib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
@@ -200,6 +202,17 @@ class RequestSample:
         """(config, prompt_id, turn, batch_size): what resume counts as done."""
         return (self.config, self.prompt_id, self.turn, self.batch_size)
 
+    def output_units(self) -> list[int] | list[str]:
+        """What two outputs are compared by and what a loop is searched in: the token ids; for a
+        remote server's sample, whose ids are stand-ins (`text_ids`), the text's pieces (words
+        and the whitespace between them): servers count tokens differently (vLLM's usage counts
+        the end-of-sequence token, this project's does not), so equal texts may carry different
+        counts, and n copies of one CRC would look like a loop."""
+        ids = self.output_token_ids
+        if ids and ids == text_ids(self.text, len(ids)):
+            return _PIECES.findall(self.text)
+        return ids
+
     def problems(self) -> list[str]:
         """Inconsistencies between the fields (empty when the sample is well formed)."""
         out: list[str] = []
@@ -232,6 +245,15 @@ class RequestSample:
     @classmethod
     def from_dict(cls, data: object) -> RequestSample:
         return _build(cls, data, "sample")
+
+
+_PIECES = re.compile(r"\s+|\S+")
+
+
+def text_ids(text: str, n: int) -> list[int]:
+    """n copies of a CRC of the text: stand-ins for token ids where a server streams text only
+    (bench.http_runner), equal exactly when texts (and counts) are."""
+    return [zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF] * n
 
 
 @dataclass(frozen=True)
