@@ -12,11 +12,11 @@ vocabulary and over its subset are compared with the target's token.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdecode.bench.workloads import load_workload
 from specdecode.drafters.distilled import DEFAULT_DIR, read_config
 from specdecode.drafters.distilled_hf import cached_hf_export
 from specdecode.models.loading import converted_folder, default_model_path
@@ -37,27 +37,23 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
-    by_cat: dict[str, list[str]] = {}
-    with open(args.workload, encoding="utf-8") as f:
-        for line in f:
-            q = json.loads(line)
-            by_cat.setdefault(q["category"], []).append(q["turns"][0])
+    workload = load_workload(args.workload, categories=args.categories.split(","),
+                             limit_per_category=args.per_category)
     full = sub = outside = n = 0
-    for cat in args.categories.split(","):
-        for text in by_cat.get(cat, [])[:args.per_category]:
-            ids = tok.apply_chat_template([{"role": "user", "content": text}],
-                                          add_generation_prompt=True, return_tensors="pt")
-            ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
-            with torch.inference_mode():
-                out = target.generate(ids, max_new_tokens=args.max_tokens, do_sample=False)
-                start = ids.shape[1]
-                want = out[0, start:]
-                logits = draft(out).logits[0, start - 1:-1]
-            picks = logits.argmax(-1)
-            full += int((picks == want).sum())
-            sub += int((logits[:, :subset].argmax(-1) == want).sum())
-            outside += int((picks >= subset).sum())
-            n += len(want)
+    for prompt in workload.prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt.turns[0]}],
+                                      add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        with torch.inference_mode():
+            out = target.generate(ids, max_new_tokens=args.max_tokens, do_sample=False)
+            start = ids.shape[1]
+            want = out[0, start:]
+            logits = draft(out).logits[0, start - 1:-1]
+        picks = logits.argmax(-1)
+        full += int((picks == want).sum())
+        sub += int((logits[:, :subset].argmax(-1) == want).sum())
+        outside += int((picks >= subset).sum())
+        n += len(want)
     print(f"{n} positions: full head agrees {full} ({full / n:.3f}), subset-restricted "
           f"{sub} ({sub / n:.3f}); full head's pick outside the subset {outside} "
           f"({outside / n:.3f})")

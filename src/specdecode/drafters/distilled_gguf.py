@@ -81,7 +81,7 @@ def _read_gguf(path: Path) -> Any:
         raise SpecDecodeError(f"{path}: not a readable GGUF ({exc})") from exc
 
 
-def _draft_files(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+def draft_files(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, card.json, tensors) of a distilled draft folder."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -98,14 +98,16 @@ def _draft_files(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str
     return raw, card, tensors
 
 
-def check_trained_for(folder: Path, card: dict[str, Any], target_gguf: Path) -> Any:
-    """The target's config, after refusing a draft whose card names other target weights.
+def check_trained_for(folder: Path, raw: dict[str, Any], card: dict[str, Any],
+                      target_gguf: Path) -> ModelConfig:
+    """The target's config, after refusing a draft whose card names other target weights, or
+    whose config.json (`raw`) names another width or vocabulary.
 
     The card records the sha256 of the target's weights as the native runner holds them
     (train.checkpoint.weights_sha256), so the check loads the target's cached fp32 conversion
-    once (a few seconds for SmolLM2; the export runs once per inputs, then the cache serves).
+    once (a few seconds for SmolLM2; an export runs once per inputs, then the cache serves).
     """
-    from specdecode.drafters.distilled import WEIGHTS_FILE
+    from specdecode.drafters.distilled import CONFIG_FILE, WEIGHTS_FILE
     from specdecode.models.config import config_from_hf, read_hf_config
     from specdecode.models.loading import converted_folder, load_native
     from specdecode.train.checkpoint import check_target
@@ -114,6 +116,11 @@ def check_trained_for(folder: Path, card: dict[str, Any], target_gguf: Path) -> 
     cfg = config_from_hf(read_hf_config(converted), str(converted / "config.json"))
     native = load_native(converted, cfg)
     check_target(card, native, folder / WEIGHTS_FILE)
+    if raw.get("hidden_size") != cfg.hidden_size or \
+            raw.get("target_vocab_size") != cfg.vocab_size:
+        raise SpecDecodeError(f"{folder / CONFIG_FILE}: a draft of width {raw.get('hidden_size')}"
+                              f" and vocabulary {raw.get('target_vocab_size')}, the target has "
+                              f"{cfg.hidden_size} and {cfg.vocab_size}")
     return cfg
 
 
@@ -212,13 +219,13 @@ def export_distilled_gguf(folder: Path, target_gguf: Path, dest: Path, *,
     Refuses a draft trained for another target (SpecDecodeError naming the draft's file)."""
     from gguf import GGUFWriter, LlamaFileType
 
-    from specdecode.drafters.distilled import CONFIG_FILE, VOCAB_KEY
+    from specdecode.drafters.distilled import VOCAB_KEY
 
     if weight_type not in WEIGHT_TYPES:
         raise SpecDecodeError(f"weight type {weight_type!r}: one of {', '.join(WEIGHT_TYPES)}")
     if head not in HEADS:
         raise SpecDecodeError(f"head {head!r}: one of {', '.join(HEADS)}")
-    raw, card, tensors = _draft_files(folder)
+    raw, card, tensors = draft_files(folder)
     reader = _read_gguf(target_gguf)
     fields = dict(reader.fields)
     arch = _field_value(fields["general.architecture"]) if "general.architecture" in fields \
@@ -226,12 +233,7 @@ def export_distilled_gguf(folder: Path, target_gguf: Path, dest: Path, *,
     if arch != "llama":
         raise SpecDecodeError(f"{target_gguf}: the distilled draft's GGUF export covers the "
                               f"llama architecture, this target is {arch!r}")
-    cfg = check_trained_for(folder, card, target_gguf)
-    if raw.get("hidden_size") != cfg.hidden_size or \
-            raw.get("target_vocab_size") != cfg.vocab_size:
-        raise SpecDecodeError(f"{folder / CONFIG_FILE}: a draft of width {raw.get('hidden_size')}"
-                              f" and vocabulary {raw.get('target_vocab_size')}, the target has "
-                              f"{cfg.hidden_size} and {cfg.vocab_size}")
+    cfg = check_trained_for(folder, raw, card, target_gguf)
     vocab = tensors.pop(VOCAB_KEY, None)
     ids = None if vocab is None or head == "full" else vocab.numpy().astype(np.int64)
     layers = len(raw["layers_from"])

@@ -67,34 +67,41 @@ def hf_block_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layers:
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def _target_tensors(converted: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of the target's converted folder, fp32, read alone (not the blocks)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(converted.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            present = set(f.keys())
+            found.update({n: f.get_tensor(n).float() for n in names if n in present})
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise SpecDecodeError(f"{converted}: the target has no {', '.join(missing)}")
+    return found
+
+
 def export_distilled_hf(folder: Path, target_gguf: Path, dest: Path) -> Path:
     """Write the distilled draft in `folder` for the target `target_gguf` as the Hugging Face
     folder `dest` (through a temporary folder renamed into place). Refuses a draft trained for
     another target (SpecDecodeError naming the draft's file)."""
     from safetensors.torch import save_file
 
-    from specdecode.drafters.distilled import CONFIG_FILE, VOCAB_KEY
-    from specdecode.drafters.distilled_gguf import _draft_files, check_trained_for
-    from specdecode.models.loading import converted_folder, load_state_dict
+    from specdecode.drafters.distilled import VOCAB_KEY
+    from specdecode.drafters.distilled_gguf import check_trained_for, draft_files
+    from specdecode.models.loading import converted_folder
 
-    raw, card, tensors = _draft_files(folder)
-    cfg = check_trained_for(folder, card, target_gguf)
-    if raw.get("hidden_size") != cfg.hidden_size or \
-            raw.get("target_vocab_size") != cfg.vocab_size:
-        raise SpecDecodeError(f"{folder / CONFIG_FILE}: a draft of width {raw.get('hidden_size')}"
-                              f" and vocabulary {raw.get('target_vocab_size')}, the target has "
-                              f"{cfg.hidden_size} and {cfg.vocab_size}")
+    raw, card, tensors = draft_files(folder)
+    cfg = check_trained_for(folder, raw, card, target_gguf)
     tensors.pop(VOCAB_KEY, None)
     layers = len(raw["layers_from"])
     converted = converted_folder(target_gguf)
-    target_state = load_state_dict(converted)
-    weights = hf_block_tensors(tensors, cfg, layers)
-    weights["model.embed_tokens.weight"] = target_state["model.embed_tokens.weight"].float()
     hf_config = json.loads((converted / "config.json").read_text(encoding="utf-8"))
+    shared = ["model.embed_tokens.weight"]
     if not hf_config.get("tie_word_embeddings", False):
-        if "lm_head.weight" not in target_state:
-            raise SpecDecodeError(f"{converted}: an untied target without lm_head.weight")
-        weights["lm_head.weight"] = target_state["lm_head.weight"].float()
+        shared.append("lm_head.weight")
+    weights = {**hf_block_tensors(tensors, cfg, layers), **_target_tensors(converted, shared)}
     hf_config["num_hidden_layers"] = layers
     hf_config["torch_dtype"] = "float32"
     dest.parent.mkdir(parents=True, exist_ok=True)
