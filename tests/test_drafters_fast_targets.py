@@ -86,7 +86,7 @@ def test_the_draft_head_scores_its_tokens_as_the_full_head_and_masks_the_rest(
     cheap = logits(WithHead(model, draft_head(model, SUBSET)))
     assert torch.equal(cheap[:, :SUBSET], full[:, :SUBSET])
     assert torch.isneginf(cheap[:, SUBSET:]).all()
-    from specdecode.models.precision import float_weight
+    from specdecode.models.linears import float_weight
 
     weight = float_weight(model.lm_head)[0]
     off_by_one = SubsetHead(weight[1:], torch.arange(SUBSET), model.cfg.vocab_size,

@@ -228,7 +228,7 @@ def test_grouped_int8_head_reproduces_q8_0_blocks_and_the_tied_rows(tiny: LlamaM
     built as GGUF's Q8_0 de-quantizes (code * d, the largest |code| of a block 127, d an fp16)
     comes back bit for bit; the tied embedding reads its rows from the same panels; products
     are row-invariant like every kind's."""
-    from specdecode.models.precision import GroupedInt8Linear, TiedEmbedding, quantize_row_groups
+    from specdecode.models.linears import GroupedInt8Linear, TiedEmbedding, quantize_row_groups
 
     gen = torch.Generator().manual_seed(7)
     codes = torch.randint(-127, 128, (48, 64), generator=gen)
@@ -265,7 +265,7 @@ def test_checkpoint_precision_holds_q4_1_blocks_exactly(tiny: LlamaModel) -> Non
     taken for a block; random weights stay fp32."""
     import copy
 
-    from specdecode.models.precision import PanelLinear, recover_q4_1
+    from specdecode.models.linears import PanelLinear, recover_q4_1
 
     gen = torch.Generator().manual_seed(11)
     w = _q4_1(32, 64, gen)
@@ -302,7 +302,7 @@ def test_smollm_checkpoint_precision_is_the_gguf_at_4_bits(smollm: Any) -> None:
     agrees with fp32 on every teacher-forced position (KL ~1e-10); w4a16 (bf16-rounded inputs)
     does not (the broken variant of "the same weights": top-1 below 1)."""
     from specdecode.agreement import precision_agreement
-    from specdecode.models.precision import PanelLinear
+    from specdecode.models.linears import PanelLinear
 
     ck = apply_precision(smollm.model, "checkpoint")
     kinds = [m.panels.kind for m in ck.modules() if isinstance(m, PanelLinear)]

@@ -19,15 +19,9 @@ from specdecode.agreement import (
 from specdecode.errors import SpecDecodeError
 from specdecode.models import precision
 from specdecode.models.config import config_from_hf, read_hf_config
+from specdecode.models.linears import GROUP, PackedLinear, WeightOnlyLinear, float_weight
 from specdecode.models.loading import LoadedModel, load_native
-from specdecode.models.precision import (
-    GROUP,
-    PackedLinear,
-    WeightOnlyLinear,
-    apply_precision,
-    float_weight,
-    quantize_int8,
-)
+from specdecode.models.precision import apply_precision, quantize_int8
 from tests.conftest import make_checkpoint
 
 

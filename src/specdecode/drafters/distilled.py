@@ -129,14 +129,14 @@ def evenly_spaced(num_layers: int, n: int) -> tuple[int, ...]:
 
 def embedding_weight(target: LlamaModel) -> torch.Tensor:
     """The target's token embedding (V, H) as float32 (whatever its precision)."""
-    from specdecode.models.precision import float_weight
+    from specdecode.models.linears import float_weight
 
     return float_weight(target.embed)[0].float()
 
 
 def head_weight(target: LlamaModel) -> torch.Tensor:
     """The target's LM head matrix (V, H) as float32 (its embedding when they are tied)."""
-    from specdecode.models.precision import float_weight
+    from specdecode.models.linears import float_weight
 
     return float_weight(target.lm_head)[0].float()
 

@@ -49,7 +49,7 @@ def first_rows(p: kernels.Panels, n: int) -> kernels.Panels:
 def draft_head(model: Target, vocab: int) -> SubsetHead:
     """The lowest `vocab` token ids of `model`'s LM head (a native runner, or a LayerSubset of
     one), scoring a vocabulary of the model's size."""
-    from specdecode.models.precision import float_weight
+    from specdecode.models.linears import float_weight
 
     size = int(model.cfg.vocab_size)
     if not 1 <= vocab <= size:

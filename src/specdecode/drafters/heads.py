@@ -143,7 +143,7 @@ class FeatureDrafterModel(nn.Module):
 
 def target_head_weight(target: LlamaModel) -> torch.Tensor:
     """The target's LM head as an fp32 (V, H) matrix."""
-    from specdecode.models.precision import float_weight
+    from specdecode.models.linears import float_weight
 
     return float_weight(target.lm_head)[0].detach().float()
 

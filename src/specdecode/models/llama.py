@@ -284,7 +284,7 @@ class LlamaModel(nn.Module):
         The measured invariance is forgotten (it belongs to the kernels that were measured)."""
         if exact and not kernels.available():
             raise RuntimeError(f"row-invariant kernels unavailable: {kernels.build_error()}")
-        from specdecode.models.precision import PackedLinear, PanelLinear, WeightOnlyLinear
+        from specdecode.models.linears import PackedLinear, PanelLinear, WeightOnlyLinear
 
         self.exact = exact
         self.invariance = None
@@ -298,12 +298,13 @@ class LlamaModel(nn.Module):
     def with_precision(self, precision: str) -> LlamaModel:
         """A copy whose weight matrices run at `precision` (see models.precision); norms are
         shared with self, which is left unchanged."""
-        from specdecode.models import precision as prec
+        from specdecode.models import linears as prec
+        from specdecode.models.precision import WEIGHT_ONLY
 
         def matrix(w: torch.Tensor, b: torch.Tensor | None) -> nn.Module:
             if precision == "checkpoint":
                 return prec.checkpoint_matrix(w, b)
-            if precision in prec.WEIGHT_ONLY:
+            if precision in WEIGHT_ONLY:
                 return prec.WeightOnlyLinear(precision, w, b, exact=self.exact)
             return prec.PackedLinear(precision, w, b)
 
@@ -324,12 +325,12 @@ class LlamaModel(nn.Module):
                 new.lm_head.panels.kind in (kernels.KIND_F32, kernels.KIND_I8G) \
                 else nn.Embedding.from_pretrained(embed)
             return new.set_exact(self.exact).eval()
-        if precision in prec.WEIGHT_ONLY and self.exact and head.shape[1] % prec.GROUP == 0:
+        if precision in WEIGHT_ONLY and self.exact and head.shape[1] % prec.GROUP == 0:
             # on the kernels: an int8 head per group of 32 (exact for a GGUF's Q8_0 table)
             new.lm_head = prec.GroupedInt8Linear(head)
             new.embed = prec.TiedEmbedding(new.lm_head) if tied else prec.Bf16Embedding(embed)
             return new.set_exact(self.exact).eval()
-        bf16_ends = precision in ("bf16", *prec.WEIGHT_ONLY)  # fp32 logits from bf16 weights
+        bf16_ends = precision in ("bf16", *WEIGHT_ONLY)  # fp32 logits from bf16 weights
         new.embed = prec.Bf16Embedding(embed) if bf16_ends else prec.Int8Embedding(embed)
         new.lm_head = prec.PackedLinear("bf16" if bf16_ends else precision, head, None)
         return new.set_exact(self.exact).eval()
@@ -341,7 +342,7 @@ class LlamaModel(nn.Module):
         names, so heads and drafts trained for the fp32 target are recognised as made for it."""
         if self.precision != "checkpoint":
             return self.state_dict()
-        from specdecode.models.precision import float_weight
+        from specdecode.models.linears import float_weight
 
         state: dict[str, torch.Tensor] = {"norm": self.norm}
         head_w, _ = float_weight(self.lm_head)

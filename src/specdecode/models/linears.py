@@ -1,0 +1,393 @@
+"""The weight matrices and embeddings of the native runner's precisions (models.precision holds
+one record per precision naming which of these it builds), and the quantizers that fill them.
+
+Every class here multiplies y = x W^T + b for one way of holding W; which precision uses which,
+and what each costs and guarantees, is the precision's record, not this module's business.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
+
+GROUP = 32  # inputs per 4-bit group (w4a16)
+FP16_MAX = 65504.0
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in fbgemm's packed format (bf16-valued fp16, or int8), or, for
+    bf16 once `set_exact`, in the row-invariant kernels' bf16 panels (models.kernels) instead:
+    fbgemm's fp16 kernels take another path for one row than for several, so a row's outputs
+    move in the last bits with the rows beside it."""
+
+    def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.kind = kind
+        self.out_features, self.in_features = weight.shape
+        self.has_bias = bias is not None
+        self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        self.panels: kernels.Panels | None = None  # exact bf16
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quantized-tensor creation is deprecated
+            self.packed, self.nbytes = _pack(kind, weight.detach().float(), self.bias_f32)
+
+    def set_exact(self, exact: bool) -> None:
+        """bf16: hold the weight as the row-invariant kernels' panels (exact) or as fbgemm's
+        packed fp16 (not); int8 has no row-invariant kernel and is left as it is."""
+        if self.kind != "bf16" or exact == (self.panels is not None):
+            return
+        w, b = float_weight(self)
+        if exact:
+            self.panels = kernels.pack_float(w, torch.bfloat16, b)
+            self.packed, self.nbytes = None, self.panels.nbytes
+        else:
+            self.panels = None
+            self.packed, self.nbytes = _pack("bf16", w, b)
+
+    def exact_panels(self) -> kernels.Panels | None:
+        return self.panels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return kernels.matmul(x, self.panels)
+        if self.kind == "bf16":
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)  # 7-bit activations
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}"
+
+
+def _pack(kind: str, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, int]:
+    if kind == "bf16":
+        big = float(w.abs().max()) if w.numel() else 0.0
+        if big > FP16_MAX:
+            raise SpecDecodeError(
+                f"precision bf16: a weight of magnitude {big:g} exceeds the fp16 range the bf16 "
+                "kernels of this runner hold weights in; use fp32"
+            )
+        packed = torch.ops.quantized.linear_prepack_fp16(w.to(torch.bfloat16).float(), bias)
+        return packed, w.numel() * 2
+    q, scales = quantize_rows(w)
+    zeros = torch.zeros(len(scales), dtype=torch.long)
+    qw = torch._make_per_channel_quantized_tensor(q, scales.double(), zeros, 0)
+    return torch.ops.quantized.linear_prepack(qw, bias), w.numel() + 4 * len(scales)
+
+
+def quantize_rows(
+    w: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (q int8 (rows, cols), scales (rows,) in `scale_dtype`),
+    w ~= q * scale, q rounded on the grid of the scale as stored."""
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(scale_dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of `group` inputs, in the weight-only kernel's convention
+    w ~= (q - 8) * scale + zero: (q int32 (rows, cols) in 0..15, scale_zeros bf16
+    (cols / group, rows, 2)). Scale (max - min) / 15 and zero min + 8 scale are rounded to bf16
+    first and q rounded on that grid; a constant group gets scale 0 and zero = its value."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15).bfloat16()
+    zero = (lo + 8 * scale.float()).bfloat16()
+    s = scale.float()[..., None]
+    q = torch.where(s > 0, torch.round((g - zero.float()[..., None]) / s.clamp_min(1e-30)) + 8,
+                    torch.full_like(g, 8.0))
+    q = q.clamp_(0, 15).to(torch.int32).reshape(rows, cols)
+    return q, torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+
+
+def recover_q4_1(w: torch.Tensor, group: int = GROUP
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The 4-bit blocks a matrix was de-quantized from, if it was: GGUF's Q4_1 stores per group
+    of 32 inputs an fp16 scale d and minimum m, w = code * d + m (computed in fp32), the smallest
+    weight of a group with code 0 and the largest with code 15. Returns (codes (rows, cols) 0..15,
+    d, m (rows, cols / group) fp32) when every weight comes back bit for bit, else None."""
+    rows, cols = w.shape
+    if cols % group:
+        return None
+    g = w.reshape(rows, cols // group, group)
+    m = g.amin(dim=-1)
+    d = ((g.amax(dim=-1) - m) / 15).half().float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    codes = torch.round((g - m[..., None]) / safe[..., None]).clamp_(0, 15)
+    if not torch.equal(codes * d[..., None] + m[..., None], g):
+        return None
+    return codes.to(torch.uint8).reshape(rows, cols), d, m
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x W^T + b with W held int8 per output channel ("w8a16") or 4-bit per group of 32
+    inputs ("w4a16"); x is rounded to bf16 for the product, y is fp32. Row-invariant.
+
+    Two kernels hold the same codes and scales: PyTorch's weight-only CPU kernels (bf16 products
+    and outputs) and, once `set_exact`, the row-invariant kernels' panels (models.kernels: fp32
+    products of the bf16-rounded inputs, fp32 outputs, a whole block per call). Either converts
+    to the other exactly."""
+
+    def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                 exact: bool = False) -> None:
+        super().__init__()
+        self.kind = kind
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.q: torch.Tensor | None  # int8 (out, in), or the 4-bit kernel's packed layout
+        self.scales: torch.Tensor | None  # bf16 (out,), or scale/zero pairs (in / 32, out, 2)
+        self.panels: kernels.Panels | None = None  # exact: kernels.c's layout instead
+        blocks = recover_q4_1(w) if kind == "w4a16" and exact else None
+        if blocks is not None:  # the checkpoint's own 4-bit blocks: held exactly, fp32 d and m
+            codes, d, m = blocks
+            self.panels = kernels.pack_int4(codes, d, m, self.bias)
+            self.register_buffer("q", None)
+            self.register_buffer("scales", None)
+            return
+        if kind == "w8a16":
+            q, scales = quantize_rows(w, torch.bfloat16)
+        else:
+            if self.in_features % GROUP or self.out_features % 16:
+                raise SpecDecodeError(
+                    f"precision w4a16 needs weight matrices with inputs divisible by {GROUP} and "
+                    f"outputs by 16; this model has one of {self.out_features} x "
+                    f"{self.in_features}: use w8a16")
+            q4, scales = quantize_groups(w)
+            q = torch._convert_weight_to_int4pack_for_cpu(q4, 1)
+        self.register_buffer("q", q)
+        self.register_buffer("scales", scales)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the panels (memory.weight_bytes adds them: they are not buffers)."""
+        return 0 if self.panels is None else self.panels.nbytes
+
+    def _codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes (out, in), scales): int8 codes and bf16 scales (out,), or 4-bit codes 0..15
+        and bf16 (scale, zero) pairs (in / 32, out, 2), whichever kernel holds them."""
+        if self.panels is not None:
+            p = self.panels
+            codes = kernels.codes_of(p)
+            assert p.scale is not None
+            if self.kind == "w8a16":
+                return codes, p.scale[: p.n].bfloat16()
+            assert p.zero is not None
+            scale = p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
+            zero = p.zero.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n] + 8 * scale
+            return codes, torch.stack((scale, zero), dim=-1).transpose(0, 1).bfloat16()
+        assert self.q is not None and self.scales is not None
+        if self.kind == "w8a16":
+            return self.q, self.scales
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        unit = torch.ones_like(self.scales)
+        unit[..., 1] = 8
+        q = torch._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, unit).float().t()  # (out, in)
+        return q.round().to(torch.int32), self.scales
+
+    def set_exact(self, exact: bool) -> None:
+        """Move the codes to the row-invariant kernels' panels (exact) or back to PyTorch's
+        weight-only kernels; the codes and scales are the same either way."""
+        if exact == (self.panels is not None):
+            return
+        codes, scales = self._codes()
+        if exact:
+            if self.kind == "w8a16":
+                self.panels = kernels.pack_int8(codes, scales.float(), self.bias)
+            else:  # kernels.c computes codes * scale + (zero - 8 scale)
+                scale, zero = scales[..., 0].float().t(), scales[..., 1].float().t()
+                self.panels = kernels.pack_int4(codes, scale, zero - 8 * scale, self.bias)
+            self.q = self.scales = None
+        else:
+            self.panels = None
+            if self.kind == "w8a16":
+                self.q, self.scales = codes.to(torch.int8), scales
+            else:
+                self.q = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+                self.scales = scales.contiguous()
+
+    def exact_panels(self) -> kernels.Panels | None:
+        return self.panels
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.q is not None and self.scales is not None
+        if self.kind == "w8a16":
+            return torch._weight_int8pack_mm(x, self.q, self.scales)
+        return torch._weight_int4pack_mm_for_cpu(x, self.q, GROUP, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return kernels.matmul(x, self.panels)
+        y = self._product(x.reshape(-1, self.in_features).to(torch.bfloat16)).float()
+        y = y if self.bias is None else y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the kernels use it, fp32 (out, in): codes * scale + zero - 8 scale."""
+        if self.panels is not None:
+            return kernels.weight_of(self.panels)
+        codes, scales = self._codes()
+        if self.kind == "w8a16":
+            return codes.float() * scales.float()[:, None]
+        scale, zero = (scales[..., i].float().t().repeat_interleave(GROUP, dim=1)
+                       for i in (0, 1))
+        return (codes.float() - 8) * scale + zero
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}"
+
+
+def quantize_row_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row and group of `group` inputs: (codes int8 (rows, cols),
+    scales fp32 (rows, cols / group)), w ~= codes * scale, scale = max |w| / 127 of the group.
+    A matrix de-quantized from GGUF's Q8_0 blocks (w = code * d, the largest |code| 127) comes
+    back exactly: its d = max |w| / 127, a division without rounding."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group, group)
+    scales = g.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(g / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes.reshape(rows, cols), scales
+
+
+class PanelLinear(nn.Module):
+    """y = x W^T + b with W held only in the row-invariant kernels' panels (models.kernels: fp32,
+    int8 per group or 4-bit per group); without the kernels, the same weight through PyTorch."""
+
+    def __init__(self, panels: kernels.Panels) -> None:
+        super().__init__()
+        self.panels = panels
+        self.out_features, self.in_features = panels.n, panels.k
+        self.nbytes = panels.nbytes
+        self.exact = True
+        self._dense: torch.Tensor | None = None
+
+    def set_exact(self, exact: bool) -> None:
+        self.exact = exact
+
+    def exact_panels(self) -> kernels.Panels | None:
+        return self.panels if self.exact else None
+
+    def dequantized(self) -> torch.Tensor:
+        return kernels.weight_of(self.panels)
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight for `tokens` (an embedding lookup of a tied table), fp32."""
+        flat = tokens.reshape(-1)
+        p, c = flat // kernels.PANEL, flat % kernels.PANEL
+        values = self.panels.w[p, :, c].float()  # (n, in)
+        if self.panels.kind == kernels.KIND_I8G:
+            assert self.panels.scale is not None
+            values = values * self.panels.scale[p, :, c].repeat_interleave(GROUP, dim=1)
+        elif self.panels.kind != kernels.KIND_F32:
+            raise ValueError("rows() reads fp32 or grouped int8 panels")
+        return values.view(*tokens.shape, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact and kernels.available():
+            return kernels.matmul(x, self.panels)
+        if self._dense is None:
+            self._dense = self.dequantized()
+        return torch.nn.functional.linear(x.float(), self._dense, self.panels.bias)
+
+    def extra_repr(self) -> str:
+        return f"kind {self.panels.kind}, in={self.in_features}, out={self.out_features}"
+
+
+class GroupedInt8Linear(PanelLinear):
+    """The LM head of the weight-only precisions on the row-invariant kernels: int8 per output
+    row and group of 32 inputs (GGUF's Q8_0 layout, in which SmolLM2's tied embedding is stored:
+    reproduced exactly), fp32 inputs and sums. Against a bf16 head it reads half the bytes per
+    step (the head is ~a third of a 4-bit SmolLM2 step's weight traffic) and matches the
+    checkpoint closer."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        codes, scales = quantize_row_groups(weight.detach().float())
+        super().__init__(kernels.pack_int8_groups(codes, scales))
+
+
+def checkpoint_matrix(weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
+    """A matrix of the "checkpoint" precision: the smallest panels that hold `weight` bit for
+    bit: the 4-bit blocks it was de-quantized from (GGUF Q4_1), else int8 per group (Q8_0), else
+    fp32; inputs are not rounded, so the products differ from fp32's only by summation order."""
+    w = weight.detach().float()
+    blocks = recover_q4_1(w)
+    if blocks is not None:
+        return PanelLinear(kernels.pack_int4(*blocks, bias, round_x=False))
+    if w.shape[1] % GROUP == 0:
+        codes, scales = quantize_row_groups(w)
+        if torch.equal(codes.float() * scales.repeat_interleave(GROUP, dim=1), w):
+            return PanelLinear(kernels.pack_int8_groups(codes, scales, bias))
+    return PanelLinear(kernels.pack_float(w, torch.float32, bias))
+
+
+class TiedEmbedding(nn.Module):
+    """Embedding rows read from a PanelLinear head (a tied table held once)."""
+
+    def __init__(self, head: PanelLinear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so its bytes are counted once
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head[0].rows(tokens)
+
+
+def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight fp32, bias or None) of a linear or embedding module at any precision."""
+    if isinstance(module, PackedLinear):
+        if module.panels is not None:
+            return kernels.weight_of(module.panels), module.bias_f32
+        if module.kind == "bf16":
+            w, b = torch.ops.quantized.linear_unpack_fp16(module.packed)
+            return w.float(), b
+        w, b = torch.ops.quantized.linear_unpack(module.packed)
+        return w.dequantize(), b
+    if isinstance(module, WeightOnlyLinear):
+        return module.dequantized(), module.bias
+    if isinstance(module, PanelLinear):
+        return module.dequantized(), module.panels.bias
+    if isinstance(module, TiedEmbedding):
+        return module.head[0].dequantized(), None
+    if isinstance(module, Int8Embedding):
+        return module.q.float() * module.scales[:, None], None
+    if isinstance(module, nn.Linear):
+        return module.weight.detach().float(), None if module.bias is None else module.bias.detach()
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"no weight tensor in {type(module).__name__}")
+    return weight.detach().float(), None
+
+
+class Int8Embedding(nn.Module):
+    """Embedding rows stored as int8 with one scale per row (the int8 LM head's quantization)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scales = quantize_rows(weight.detach().float())
+        self.q: torch.Tensor
+        self.scales: torch.Tensor
+        self.register_buffer("q", q)
+        self.register_buffer("scales", scales)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.q[tokens].float() * self.scales[tokens, None]
+
+
+class Bf16Embedding(nn.Module):
+    """Embedding rows stored in bf16 (looked up in fp32)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight: torch.Tensor
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.weight[tokens].float()
