@@ -185,11 +185,11 @@ def default_configs_text(backend: str = "auto", precision: str = "fp32") -> str:
     own cost, so: plain, the lookup under the controller, and ngram+auto (the lookup, then the
     model draft that measures cheapest for this target at load, or none)."""
     from specdecode.models.loading import LLAMACPP_NAMES
-    from specdecode.models.precision import resolve
+    from specdecode.models.precision import is_reference, resolve
 
     if backend in LLAMACPP_NAMES:
         return LLAMACPP_CONFIGS
-    if resolve(precision, backend in ("auto", "native")) != "fp32":
+    if not is_reference(resolve(precision, backend in ("auto", "native"))):
         return FAST_TARGET_CONFIGS
     items = ["plain", "ngram+w4a16:k=3", "w4a16:k=3"]
     if "ngram" in known_drafters():
@@ -198,11 +198,11 @@ def default_configs_text(backend: str = "auto", precision: str = "fp32") -> str:
 
 
 def check_invariant_target(precision: str, configs: Sequence[ConfigSpec]) -> None:
-    """Refuse speculative configurations on a target that is not batch invariant (int8, w8a16,
-    w4a16) before anything is measured (see drafters.registry.check_batch_invariant)."""
-    from specdecode.drafters.registry import NOT_BATCH_INVARIANT, check_batch_invariant
+    """Refuse speculative configurations on a precision that is not batch invariant by
+    construction (int8) before anything is measured (drafters.registry.check_batch_invariant)."""
+    from specdecode.drafters.registry import check_batch_invariant
 
-    if precision in NOT_BATCH_INVARIANT and any(not c.is_plain for c in configs):
+    if any(not c.is_plain for c in configs):
         check_batch_invariant(precision)
 
 

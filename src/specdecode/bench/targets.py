@@ -83,7 +83,7 @@ def precision_of(target: str) -> str:
 def skip_reason(target: str, config: ConfigSpec) -> str | None:
     """Why `config` is left out on `target` before anything loads (None: it is measured)."""
     from specdecode.drafters.options import model_part
-    from specdecode.drafters.registry import NOT_BATCH_INVARIANT
+    from specdecode.models.precision import coupling
 
     if config.is_plain:
         return None
@@ -91,8 +91,9 @@ def skip_reason(target: str, config: ConfigSpec) -> str | None:
     if part == target:
         return (f"its draft model is a {part} copy of the {target} target, drafting at the "
                 "target's own cost")
-    if target in NOT_BATCH_INVARIANT:
-        return f"speculation refused on {target}: {NOT_BATCH_INVARIANT[target]}"
+    coupled = coupling(target)
+    if coupled is not None:
+        return f"speculation refused on {target}: {coupled}"
     return None
 
 

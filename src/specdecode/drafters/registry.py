@@ -32,14 +32,6 @@ __all__ = ["DRAFTERS", "DrafterFactory", "DrafterOptions", "drafter_factory"]
 NGRAM_MAX = 8  # the longest n-gram a lookup matches by default (ngram_max)
 
 
-# Targets whose logits for a position depend on what else is scored with it by construction,
-# and why: refused before anything loads. Every other target is refused or not by measurement.
-NOT_BATCH_INVARIANT = {
-    "int8": "its kernels quantize each call's activations with one scale, so a position scored "
-            "with draft tokens gets different logits than scored alone",
-}
-
-
 def check_batch_invariant(precision: str) -> None:
     """Refuse speculation on a precision whose logits for a position depend on what else is
     scored with it by construction: then no drafter can be token-identical to plain decoding.
@@ -51,13 +43,15 @@ def check_batch_invariant(precision: str) -> None:
     drafter, where invariance does not matter. The other precisions run on the row-invariant
     kernels (models.kernels) and are checked by measurement (check_measured_invariance).
     """
-    why = NOT_BATCH_INVARIANT.get(precision)
+    from specdecode.models.precision import coupling, speculative_names
+
+    why = coupling(precision)  # the precision's record: no row-invariant kernel path
     if why is not None:
         raise SpecDecodeError(
             f"speculative decoding needs a batch-invariant target, and --precision {precision} "
             f"is not: {why}; the output could not be token-identical to plain {precision} "
-            "decoding. Use --precision fp32, bf16, w8a16 or w4a16 for speculation (e.g. with "
-            "--drafter int8, the int8 copy of the target, as the draft), or --drafter none")
+            f"decoding. Use --precision {', '.join(speculative_names())} for speculation (e.g. "
+            "with --drafter int8, the int8 copy of the target, as the draft), or --drafter none")
 
 
 def check_measured_invariance(target: Target) -> None:

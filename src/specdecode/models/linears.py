@@ -21,51 +21,51 @@ FP16_MAX = 65504.0
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in fbgemm's packed format (bf16-valued fp16, or int8), or, for
-    bf16 once `set_exact`, in the row-invariant kernels' bf16 panels (models.kernels) instead:
-    fbgemm's fp16 kernels take another path for one row than for several, so a row's outputs
-    move in the last bits with the rows beside it."""
+    """y = x W^T + b with W held in one of fbgemm's packed formats (Fp16Linear: bf16-valued
+    fp16; Int8DynamicLinear: int8 with dynamically quantized activations). Each subclass says
+    how it packs, multiplies and unpacks; none compares a precision's name."""
 
-    def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    kind = ""  # the precision whose weights it holds (for extra_repr)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 exact: bool = False) -> None:
+        """`exact` is taken for the signature every precision's matrix shares and left to
+        `set_exact`, which the model calls on every matrix once it is built."""
         super().__init__()
-        self.kind = kind
         self.out_features, self.in_features = weight.shape
         self.has_bias = bias is not None
         self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
-        self.panels: kernels.Panels | None = None  # exact bf16
+        self.panels: kernels.Panels | None = None  # set by a subclass with a row-invariant path
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # quantized-tensor creation is deprecated
-            self.packed, self.nbytes = _pack(kind, weight.detach().float(), self.bias_f32)
+            self.packed, self.nbytes = self._pack(weight.detach().float(), self.bias_f32)
+
+    def _pack(self, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, int]:
+        raise NotImplementedError
 
     def set_exact(self, exact: bool) -> None:
-        """bf16: hold the weight as the row-invariant kernels' panels (exact) or as fbgemm's
-        packed fp16 (not); int8 has no row-invariant kernel and is left as it is."""
-        if self.kind != "bf16" or exact == (self.panels is not None):
-            return
-        w, b = float_weight(self)
-        if exact:
-            self.panels = kernels.pack_float(w, torch.bfloat16, b)
-            self.packed, self.nbytes = None, self.panels.nbytes
-        else:
-            self.panels = None
-            self.packed, self.nbytes = _pack("bf16", w, b)
+        """Move to the row-invariant kernels where this format has them (none by default)."""
 
     def exact_panels(self) -> kernels.Panels | None:
         return self.panels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            return kernels.matmul(x, self.panels)
-        if self.kind == "bf16":
-            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)  # 7-bit activations
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight fp32, bias or None) as the kernels multiply with it."""
+        raise NotImplementedError
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}"
 
 
-def _pack(kind: str, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, int]:
-    if kind == "bf16":
+class Fp16Linear(PackedLinear):
+    """bf16-rounded weights held in fbgemm's packed fp16 format, multiplied with fp32
+    activations and accumulation; once `set_exact`, in the row-invariant kernels' bf16 panels
+    (models.kernels) instead: fbgemm's fp16 kernels take another path for one row than for
+    several, so a row's outputs move in the last bits with the rows beside it."""
+
+    kind = "bf16"
+
+    def _pack(self, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, int]:
         big = float(w.abs().max()) if w.numel() else 0.0
         if big > FP16_MAX:
             raise SpecDecodeError(
@@ -74,10 +74,51 @@ def _pack(kind: str, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, i
             )
         packed = torch.ops.quantized.linear_prepack_fp16(w.to(torch.bfloat16).float(), bias)
         return packed, w.numel() * 2
-    q, scales = quantize_rows(w)
-    zeros = torch.zeros(len(scales), dtype=torch.long)
-    qw = torch._make_per_channel_quantized_tensor(q, scales.double(), zeros, 0)
-    return torch.ops.quantized.linear_prepack(qw, bias), w.numel() + 4 * len(scales)
+
+    def set_exact(self, exact: bool) -> None:
+        """Hold the weight as the row-invariant kernels' panels (exact) or as fbgemm's packed
+        fp16 (not)."""
+        if exact == (self.panels is not None):
+            return
+        w, b = self.unpacked()
+        if exact:
+            self.panels = kernels.pack_float(w, torch.bfloat16, b)
+            self.packed, self.nbytes = None, self.panels.nbytes
+        else:
+            self.panels = None
+            self.packed, self.nbytes = self._pack(w, b)
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.panels is not None:
+            return kernels.weight_of(self.panels), self.bias_f32
+        w, b = torch.ops.quantized.linear_unpack_fp16(self.packed)
+        return w.float(), b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return kernels.matmul(x, self.panels)
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+class Int8DynamicLinear(PackedLinear):
+    """Symmetric per-output-channel int8 weights; each call quantizes its activations with one
+    scale (fbgemm's linear_dynamic, 7-bit on AVX2). No row-invariant kernel exists for it: the
+    shared activation scale couples the rows of a call by construction."""
+
+    kind = "int8"
+
+    def _pack(self, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, int]:
+        q, scales = quantize_rows(w)
+        zeros = torch.zeros(len(scales), dtype=torch.long)
+        qw = torch._make_per_channel_quantized_tensor(q, scales.double(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(qw, bias), w.numel() + 4 * len(scales)
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w, b = torch.ops.quantized.linear_unpack(self.packed)
+        return w.dequantize(), b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)  # 7-bit activations
 
 
 def quantize_rows(
@@ -127,44 +168,62 @@ def recover_q4_1(w: torch.Tensor, group: int = GROUP
 
 
 class WeightOnlyLinear(nn.Module):
-    """y = x W^T + b with W held int8 per output channel ("w8a16") or 4-bit per group of 32
-    inputs ("w4a16"); x is rounded to bf16 for the product, y is fp32. Row-invariant.
+    """y = x W^T + b with W held as integer codes and scales (W8A16Linear: int8 per output
+    channel; W4A16Linear: 4 bits per group of 32 inputs); x is rounded to bf16 for the product,
+    y is fp32. Row-invariant.
 
     Two kernels hold the same codes and scales: PyTorch's weight-only CPU kernels (bf16 products
     and outputs) and, once `set_exact`, the row-invariant kernels' panels (models.kernels: fp32
     products of the bf16-rounded inputs, fp32 outputs, a whole block per call). Either converts
-    to the other exactly."""
+    to the other exactly; each subclass says how its codes travel between them."""
 
-    def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
+    kind = ""  # the precision whose weights it holds (for extra_repr)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  exact: bool = False) -> None:
         super().__init__()
-        self.kind = kind
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.q: torch.Tensor | None  # int8 (out, in), or the 4-bit kernel's packed layout
         self.scales: torch.Tensor | None  # bf16 (out,), or scale/zero pairs (in / 32, out, 2)
-        self.panels: kernels.Panels | None = None  # exact: kernels.c's layout instead
-        blocks = recover_q4_1(w) if kind == "w4a16" and exact else None
-        if blocks is not None:  # the checkpoint's own 4-bit blocks: held exactly, fp32 d and m
-            codes, d, m = blocks
-            self.panels = kernels.pack_int4(codes, d, m, self.bias)
+        self.panels: kernels.Panels | None = self._exact_at_build(w) if exact else None
+        if self.panels is not None:
             self.register_buffer("q", None)
             self.register_buffer("scales", None)
             return
-        if kind == "w8a16":
-            q, scales = quantize_rows(w, torch.bfloat16)
-        else:
-            if self.in_features % GROUP or self.out_features % 16:
-                raise SpecDecodeError(
-                    f"precision w4a16 needs weight matrices with inputs divisible by {GROUP} and "
-                    f"outputs by 16; this model has one of {self.out_features} x "
-                    f"{self.in_features}: use w8a16")
-            q4, scales = quantize_groups(w)
-            q = torch._convert_weight_to_int4pack_for_cpu(q4, 1)
+        q, scales = self._quantize(w)
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
+
+    def _exact_at_build(self, w: torch.Tensor) -> kernels.Panels | None:
+        """Panels holding `w` exactly where this format can (None: quantize it)."""
+        return None
+
+    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, scales) in PyTorch's weight-only kernel's layout."""
+        raise NotImplementedError
+
+    def _codes_of_panels(self, p: kernels.Panels) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _torch_codes(self, q: torch.Tensor, scales: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _pack_exact(self, codes: torch.Tensor, scales: torch.Tensor) -> kernels.Panels:
+        raise NotImplementedError
+
+    def _to_torch(self, codes: torch.Tensor, scales: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _product(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _weight(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     @property
     def nbytes(self) -> int:
@@ -172,26 +231,11 @@ class WeightOnlyLinear(nn.Module):
         return 0 if self.panels is None else self.panels.nbytes
 
     def _codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes (out, in), scales): int8 codes and bf16 scales (out,), or 4-bit codes 0..15
-        and bf16 (scale, zero) pairs (in / 32, out, 2), whichever kernel holds them."""
+        """(codes (out, in), scales) in PyTorch's convention, whichever kernel holds them."""
         if self.panels is not None:
-            p = self.panels
-            codes = kernels.codes_of(p)
-            assert p.scale is not None
-            if self.kind == "w8a16":
-                return codes, p.scale[: p.n].bfloat16()
-            assert p.zero is not None
-            scale = p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
-            zero = p.zero.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n] + 8 * scale
-            return codes, torch.stack((scale, zero), dim=-1).transpose(0, 1).bfloat16()
+            return self._codes_of_panels(self.panels)
         assert self.q is not None and self.scales is not None
-        if self.kind == "w8a16":
-            return self.q, self.scales
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        unit = torch.ones_like(self.scales)
-        unit[..., 1] = 8
-        q = torch._weight_int4pack_mm_for_cpu(eye, self.q, GROUP, unit).float().t()  # (out, in)
-        return q.round().to(torch.int32), self.scales
+        return self._torch_codes(self.q, self.scales)
 
     def set_exact(self, exact: bool) -> None:
         """Move the codes to the row-invariant kernels' panels (exact) or back to PyTorch's
@@ -200,49 +244,115 @@ class WeightOnlyLinear(nn.Module):
             return
         codes, scales = self._codes()
         if exact:
-            if self.kind == "w8a16":
-                self.panels = kernels.pack_int8(codes, scales.float(), self.bias)
-            else:  # kernels.c computes codes * scale + (zero - 8 scale)
-                scale, zero = scales[..., 0].float().t(), scales[..., 1].float().t()
-                self.panels = kernels.pack_int4(codes, scale, zero - 8 * scale, self.bias)
+            self.panels = self._pack_exact(codes, scales)
             self.q = self.scales = None
         else:
             self.panels = None
-            if self.kind == "w8a16":
-                self.q, self.scales = codes.to(torch.int8), scales
-            else:
-                self.q = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-                self.scales = scales.contiguous()
+            self.q, self.scales = self._to_torch(codes, scales)
 
     def exact_panels(self) -> kernels.Panels | None:
         return self.panels
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.q is not None and self.scales is not None
-        if self.kind == "w8a16":
-            return torch._weight_int8pack_mm(x, self.q, self.scales)
-        return torch._weight_int4pack_mm_for_cpu(x, self.q, GROUP, self.scales)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return kernels.matmul(x, self.panels)
-        y = self._product(x.reshape(-1, self.in_features).to(torch.bfloat16)).float()
+        assert self.q is not None and self.scales is not None
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = self._product(rows, self.q, self.scales).float()
         y = y if self.bias is None else y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight as the kernels use it, fp32 (out, in): codes * scale + zero - 8 scale."""
+        """The weight as the kernels use it, fp32 (out, in)."""
         if self.panels is not None:
             return kernels.weight_of(self.panels)
-        codes, scales = self._codes()
-        if self.kind == "w8a16":
-            return codes.float() * scales.float()[:, None]
-        scale, zero = (scales[..., i].float().t().repeat_interleave(GROUP, dim=1)
-                       for i in (0, 1))
-        return (codes.float() - 8) * scale + zero
+        return self._weight(*self._codes())
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}"
+
+
+class W8A16Linear(WeightOnlyLinear):
+    """int8 codes per output channel with a bf16 scale: w = code * scale."""
+
+    kind = "w8a16"
+
+    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_rows(w, torch.bfloat16)
+
+    def _codes_of_panels(self, p: kernels.Panels) -> tuple[torch.Tensor, torch.Tensor]:
+        assert p.scale is not None
+        return kernels.codes_of(p), p.scale[: p.n].bfloat16()
+
+    def _torch_codes(self, q: torch.Tensor, scales: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, scales
+
+    def _pack_exact(self, codes: torch.Tensor, scales: torch.Tensor) -> kernels.Panels:
+        return kernels.pack_int8(codes, scales.float(), self.bias)
+
+    def _to_torch(self, codes: torch.Tensor, scales: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        return codes.to(torch.int8), scales
+
+    def _product(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, q, scales)
+
+    def _weight(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return codes.float() * scales.float()[:, None]
+
+
+class W4A16Linear(WeightOnlyLinear):
+    """4-bit codes per group of 32 inputs with a bf16 scale and offset: w = (code - 8) * scale
+    + zero. On the row-invariant kernels a matrix de-quantized from GGUF Q4_1 blocks keeps its
+    own blocks (fp16 d and m held fp32) instead of being quantized again."""
+
+    kind = "w4a16"
+
+    def _exact_at_build(self, w: torch.Tensor) -> kernels.Panels | None:
+        blocks = recover_q4_1(w)  # the checkpoint's own 4-bit blocks: held exactly
+        return None if blocks is None else kernels.pack_int4(*blocks, self.bias)
+
+    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.in_features % GROUP or self.out_features % 16:
+            raise SpecDecodeError(
+                f"precision w4a16 needs weight matrices with inputs divisible by {GROUP} and "
+                f"outputs by 16; this model has one of {self.out_features} x "
+                f"{self.in_features}: use w8a16")
+        q4, scales = quantize_groups(w)
+        return torch._convert_weight_to_int4pack_for_cpu(q4, 1), scales
+
+    def _codes_of_panels(self, p: kernels.Panels) -> tuple[torch.Tensor, torch.Tensor]:
+        assert p.scale is not None and p.zero is not None
+        scale = p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
+        zero = p.zero.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n] + 8 * scale
+        return kernels.codes_of(p), torch.stack((scale, zero), dim=-1).transpose(0, 1).bfloat16()
+
+    def _torch_codes(self, q: torch.Tensor, scales: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        unit = torch.ones_like(scales)
+        unit[..., 1] = 8
+        codes = torch._weight_int4pack_mm_for_cpu(eye, q, GROUP, unit).float().t()  # (out, in)
+        return codes.round().to(torch.int32), scales
+
+    def _pack_exact(self, codes: torch.Tensor, scales: torch.Tensor) -> kernels.Panels:
+        # kernels.c computes codes * scale + (zero - 8 scale)
+        scale, zero = scales[..., 0].float().t(), scales[..., 1].float().t()
+        return kernels.pack_int4(codes, scale, zero - 8 * scale, self.bias)
+
+    def _to_torch(self, codes: torch.Tensor, scales: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1), \
+            scales.contiguous()
+
+    def _product(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, q, GROUP, scales)
+
+    def _weight(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        scale, zero = (scales[..., i].float().t().repeat_interleave(GROUP, dim=1)
+                       for i in (0, 1))
+        return (codes.float() - 8) * scale + zero
 
 
 def quantize_row_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,10 +424,12 @@ class GroupedInt8Linear(PanelLinear):
         super().__init__(kernels.pack_int8_groups(codes, scales))
 
 
-def checkpoint_matrix(weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
+def checkpoint_matrix(weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = True
+                      ) -> PanelLinear:
     """A matrix of the "checkpoint" precision: the smallest panels that hold `weight` bit for
     bit: the 4-bit blocks it was de-quantized from (GGUF Q4_1), else int8 per group (Q8_0), else
-    fp32; inputs are not rounded, so the products differ from fp32's only by summation order."""
+    fp32; inputs are not rounded, so the products differ from fp32's only by summation order.
+    (`exact`: the signature every precision's matrix shares; panels are its only layout.)"""
     w = weight.detach().float()
     blocks = recover_q4_1(w)
     if blocks is not None:
@@ -343,13 +455,7 @@ class TiedEmbedding(nn.Module):
 def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight fp32, bias or None) of a linear or embedding module at any precision."""
     if isinstance(module, PackedLinear):
-        if module.panels is not None:
-            return kernels.weight_of(module.panels), module.bias_f32
-        if module.kind == "bf16":
-            w, b = torch.ops.quantized.linear_unpack_fp16(module.packed)
-            return w.float(), b
-        w, b = torch.ops.quantized.linear_unpack(module.packed)
-        return w.dequantize(), b
+        return module.unpacked()
     if isinstance(module, WeightOnlyLinear):
         return module.dequantized(), module.bias
     if isinstance(module, PanelLinear):
@@ -391,3 +497,41 @@ class Bf16Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.weight[tokens].float()
+
+
+# ------------------------------------------------------------------------------------------------
+# A precision's matrices and ends (the LM head and the embedding), as its record names them
+# (models.precision.Precision.matrix / .ends). `exact`: the model runs on the row-invariant
+# kernels; `tied`: the embedding is the head's table.
+
+
+def checkpoint_ends(head: torch.Tensor, embed: torch.Tensor, tied: bool, exact: bool
+                    ) -> tuple[nn.Module, nn.Module]:
+    """The head held exactly too, and a tied table held once (read from the head's panels)."""
+    lm_head = checkpoint_matrix(head, None)
+    readable = lm_head.panels.kind in (kernels.KIND_F32, kernels.KIND_I8G)
+    return lm_head, (TiedEmbedding(lm_head) if tied and readable
+                     else nn.Embedding.from_pretrained(embed))
+
+
+def bf16_ends(head: torch.Tensor, embed: torch.Tensor, tied: bool, exact: bool
+              ) -> tuple[nn.Module, nn.Module]:
+    """bf16 head and embedding (fp32 logits: a bf16-output head would round them to 8
+    significant bits, making exact ties between top tokens common)."""
+    return Fp16Linear(head, None), Bf16Embedding(embed)
+
+
+def weight_only_ends(head: torch.Tensor, embed: torch.Tensor, tied: bool, exact: bool
+                     ) -> tuple[nn.Module, nn.Module]:
+    """On the row-invariant kernels an int8 head per group of 32 inputs (exact for a GGUF's
+    Q8_0 table) whose rows a tied embedding reads; elsewhere bf16 ends."""
+    if not exact or head.shape[1] % GROUP:
+        return bf16_ends(head, embed, tied, exact)
+    lm_head = GroupedInt8Linear(head)
+    return lm_head, TiedEmbedding(lm_head) if tied else Bf16Embedding(embed)
+
+
+def int8_ends(head: torch.Tensor, embed: torch.Tensor, tied: bool, exact: bool
+              ) -> tuple[nn.Module, nn.Module]:
+    """int8 head and embedding, quantized as the int8 matrices are."""
+    return Int8DynamicLinear(head, None), Int8Embedding(embed)

@@ -268,8 +268,11 @@ class LlamaModel(nn.Module):
         """Whether a row's outputs are independent of the other rows of its forward pass: not
         at int8, whose dynamic activation quantization takes one scale for the whole input
         (fbgemm's linear_dynamic), so a batch's rows, and placeholder rows, move each other's
-        rounding (engine.draft_rows then drafts such a copy one row per forward)."""
-        return self.precision != "int8"
+        rounding (engine.draft_rows then drafts such a copy one row per forward). The
+        precision's record says (models.precision)."""
+        from specdecode.models.precision import get
+
+        return get(self.precision).rows_independent
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         cfg = self.cfg
@@ -286,6 +289,8 @@ class LlamaModel(nn.Module):
             raise RuntimeError(f"row-invariant kernels unavailable: {kernels.build_error()}")
         from specdecode.models.linears import PackedLinear, PanelLinear, WeightOnlyLinear
 
+        # every matrix class of models.linears that has a row-invariant layout takes set_exact
+
         self.exact = exact
         self.invariance = None
         for module in self.modules():
@@ -296,53 +301,41 @@ class LlamaModel(nn.Module):
         return self
 
     def with_precision(self, precision: str) -> LlamaModel:
-        """A copy whose weight matrices run at `precision` (see models.precision); norms are
-        shared with self, which is left unchanged."""
-        from specdecode.models import linears as prec
-        from specdecode.models.precision import WEIGHT_ONLY
+        """A copy whose weight matrices, LM head and embedding are the ones `precision`'s
+        record builds (models.precision: its `matrix` and `ends`); norms are shared with self,
+        which is left unchanged."""
+        from specdecode.models.linears import float_weight
+        from specdecode.models.precision import get
 
-        def matrix(w: torch.Tensor, b: torch.Tensor | None) -> nn.Module:
-            if precision == "checkpoint":
-                return prec.checkpoint_matrix(w, b)
-            if precision in WEIGHT_ONLY:
-                return prec.WeightOnlyLinear(precision, w, b, exact=self.exact)
-            return prec.PackedLinear(precision, w, b)
-
+        record = get(precision)
+        if record.matrix is None or record.ends is None:
+            raise ValueError(f"the native runner does not build precision {precision}")
         with torch.device("meta"):
             new = LlamaModel(self.cfg)
-        new.precision = precision
+        new.precision = record.name
         new.norm, new.inv_freq = self.norm, self.inv_freq
         for src, dst in zip(self.layers, new.layers, strict=True):
             dst.attn_norm, dst.mlp_norm = src.attn_norm, src.mlp_norm
             for name in ("qkv", "o", "gate_up", "down"):
-                setattr(dst, name, matrix(*prec.float_weight(getattr(src, name))))
-        embed = prec.float_weight(self.embed)[0]
-        head = prec.float_weight(self.lm_head)[0]
+                w, b = float_weight(getattr(src, name))
+                setattr(dst, name, record.matrix(w, b, self.exact))
+        embed = float_weight(self.embed)[0]
+        head = float_weight(self.lm_head)[0]
         tied = self.cfg.tie_embeddings and torch.equal(embed, head)
-        if precision == "checkpoint":  # the head held exactly too; a tied table once
-            new.lm_head = prec.checkpoint_matrix(head, None)
-            new.embed = prec.TiedEmbedding(new.lm_head) if tied and \
-                new.lm_head.panels.kind in (kernels.KIND_F32, kernels.KIND_I8G) \
-                else nn.Embedding.from_pretrained(embed)
-            return new.set_exact(self.exact).eval()
-        if precision in WEIGHT_ONLY and self.exact and head.shape[1] % prec.GROUP == 0:
-            # on the kernels: an int8 head per group of 32 (exact for a GGUF's Q8_0 table)
-            new.lm_head = prec.GroupedInt8Linear(head)
-            new.embed = prec.TiedEmbedding(new.lm_head) if tied else prec.Bf16Embedding(embed)
-            return new.set_exact(self.exact).eval()
-        bf16_ends = precision in ("bf16", *WEIGHT_ONLY)  # fp32 logits from bf16 weights
-        new.embed = prec.Bf16Embedding(embed) if bf16_ends else prec.Int8Embedding(embed)
-        new.lm_head = prec.PackedLinear("bf16" if bf16_ends else precision, head, None)
+        new.lm_head, new.embed = record.ends(head, embed, tied, self.exact)
         return new.set_exact(self.exact).eval()
 
     def identity_state(self) -> dict[str, torch.Tensor]:
         """The weights that define this target, for its identity (train.checkpoint
-        .weights_sha256): the state dict, except at precision "checkpoint", whose panels hold
-        the fp32 checkpoint's weights bit for bit: their fp32 values under the fp32 model's
-        names, so heads and drafts trained for the fp32 target are recognised as made for it."""
-        if self.precision != "checkpoint":
-            return self.state_dict()
+        .weights_sha256): the state dict, except at a precision that holds the reference's
+        weights bit for bit (its record's `reference_weights`: "checkpoint"): their fp32
+        values under the fp32 model's names, so heads and drafts trained for the fp32 target
+        are recognised as made for it."""
         from specdecode.models.linears import float_weight
+        from specdecode.models.precision import get
+
+        if not get(self.precision).reference_weights:
+            return self.state_dict()
 
         state: dict[str, torch.Tensor] = {"norm": self.norm}
         head_w, _ = float_weight(self.lm_head)

@@ -222,7 +222,7 @@ def load_model(
     max_batch: the largest batch the caller will run (the llama.cpp backend allocates a KV
     stream per row and per prompt being prefilled up front: 2 * max_batch + 2 of them).
     """
-    from specdecode.models.precision import apply_precision
+    from specdecode.models.precision import apply_precision, get
 
     start = time.perf_counter()
     if backend in LLAMACPP_NAMES:
@@ -243,7 +243,8 @@ def load_model(
     exact = make_exact(model)
     if gemv_copy is None:
         gemv_copy = os.environ.get("SPECDECODE_GEMV_COPY", "1") != "0"
-    if gemv_copy and not exact and precision == "fp32" and hasattr(model, "add_gemv_copies"):
+    if gemv_copy and not exact and get(model.precision).gemv_copy and \
+            hasattr(model, "add_gemv_copies"):
         model.add_gemv_copies()
     tokenizer = Tokenizer(folder)
     return LoadedModel(model, tokenizer, name, source, model.precision,  # "auto" resolved
@@ -305,6 +306,7 @@ def why_inexact(model: Target) -> str:
     """The known cause of a measured non-invariance, in words a user can act on."""
     from specdecode.models import kernels
     from specdecode.models.llama import LlamaModel
+    from specdecode.models.precision import coupling
 
     if model.backend == "llama.cpp":
         return ("this llama.cpp build picks kernels by batch shape; rebuild llama-cpp-python "
@@ -313,6 +315,7 @@ def why_inexact(model: Target) -> str:
         error = kernels.build_error()
         return ("the row-invariant kernels are not in use"
                 + (f" ({error})" if error else " (LlamaModel.set_exact was not called)"))
-    if model.precision == "int8":
-        return "int8 kernels quantize each call's activations with one scale"
+    coupled = coupling(model.precision)
+    if coupled is not None:
+        return coupled
     return "cause unknown (please report it with the output of `specdecode costs`)"
