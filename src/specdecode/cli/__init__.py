@@ -1,7 +1,8 @@
 """The `specdecode` command line. Every user error is one line on stderr and exit status 2.
 
 One module per subcommand, each with `register(subparsers)` and its `cmd_*` function:
-`generate`, `audit`, `costs`, `bench`, `compare`, `tune`, `serve`, `train`, `export`. `args`
+`generate`, `audit`, `costs`, `bench`, `compare`, `tune`, `serve`, `train`, `export`,
+`models`. `args`
 holds the argument groups and checks they share (the draft-length range is `limits.MAX_K`). The
 subcommand modules are imported when the parser is built, and each imports its heavy
 dependencies (torch, the server's packages) only when its command runs.
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         costs,
         export,
         generate,
+        models,
         serve,
         train,
         tune,
@@ -36,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="specdecode", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, audit, costs, bench, compare, tune, serve, train, export):
+    for module in (generate, audit, costs, bench, compare, tune, serve, train, export,
+                   models):
         module.register(sub)
     return parser
 

@@ -136,13 +136,21 @@ def converted_folder(gguf_path: Path) -> Path:
 
 
 def resolve_folder(spec: str | None) -> tuple[Path, Path, str]:
-    """(checkpoint folder, the path the user named, display name) for a --model value."""
+    """(checkpoint folder, the path the user named, display name) for a --model value: a
+    folder, a .gguf file, or the name of a model installed by `specdecode models install`
+    (models.catalog; a file or folder of that name wins)."""
+    from specdecode.models.install import resolve
+
     if spec is None:
         source = default_model_path()
         return converted_folder(source), source, "SmolLM2-135M-Instruct"
     path = Path(spec).expanduser()
+    named = None if path.exists() else resolve(spec)
+    if named is not None:
+        return converted_folder(named), named, spec
     if not path.exists():
-        raise SpecDecodeError(f"{path}: no such file or folder (--model)")
+        raise SpecDecodeError(f"{path}: no such file or folder (--model; or a model name: "
+                              "`specdecode models list`)")
     if path.is_file():
         if path.suffix != ".gguf":
             raise SpecDecodeError(f"{path}: expected a .gguf file or a checkpoint folder")
