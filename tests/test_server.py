@@ -30,6 +30,7 @@ from specdecode.models.loading import LoadedModel, load_model
 from specdecode.sampling import SamplingParams
 from specdecode.server.app import create_app
 from specdecode.server.background import BackgroundServer
+from specdecode.server.middleware import ApiKey
 from specdecode.server.state import ServeOptions, ServerState, build_state
 from tests.conftest import make_checkpoint
 
@@ -57,8 +58,11 @@ def serving(loaded: LoadedModel, **options: Any) -> Iterator[tuple[BackgroundSer
 
 def serve_options(settings: dict[str, Any]) -> ServeOptions:
     """ServeOptions from flat settings: `drafter` (a name), `k` with `auto` (k the most the
-    controller drafts), the other DrafterOptions fields, and ServeOptions' own."""
+    controller drafts), the other DrafterOptions fields, `api_key` (one unlabelled key), and
+    ServeOptions' own."""
     drafter_fields = {f.name for f in dataclasses.fields(DrafterOptions)}
+    if "api_key" in settings:  # one unlabelled key, as $SPECDECODE_API_KEY gives
+        settings["api_keys"] = (ApiKey(settings.pop("api_key")),)
     mine = {key: settings.pop(key) for key in list(settings) if key in drafter_fields}
     k, auto = mine.pop("k", 8), settings.pop("auto", True)
     drafter = DrafterOptions(settings.pop("drafter", "none"), k="auto" if auto else k,

@@ -344,6 +344,9 @@ class BatchEngine:
         self.active: list[Generation] = []  # active[i] decodes in cache row i
         self.joining: deque[Generation] = deque()  # prefilling in their own caches
         self.waiting: deque[Generation] = deque()  # queued until a row is free
+        # nanoseconds of the last step's speculative move (choose, propose, score, verify,
+        # commit), admission and prefill left out: what a server's live metrics time it by
+        self.last_step_ns = 0
 
     def submit(self, gen: Generation) -> None:
         """Queue a request; refused with a clear message if it can never fit a cache row."""
@@ -390,6 +393,7 @@ class BatchEngine:
             self.controller.learn(self._observation(ks, drafts, logits.shape[1],
                                                     (began, proposing, start,
                                                      time.perf_counter_ns())))
+        self.last_step_ns = time.perf_counter_ns() - began
         for gen, out in outputs:
             if out.finish_reason is not None:
                 self._leave(gen)

@@ -1,8 +1,13 @@
-"""Two plain ASGI middlewares that run before any route: the API key and the body limits.
+"""Two plain ASGI middlewares that run before any route: the API keys and the body limits.
 
 The API key check runs first, so an unauthenticated client cannot make the server buffer a
-body. The body limit reads the whole body up front (refusing it with 413 as soon as it passes
-the size limit, or at once when Content-Length says so; with 408 when it has not all arrived
+body. A server may hold several keys (`--api-key` repeated), each with an optional label
+(`--api-key team-a=KEY`): the label of the key a request presented is put in the ASGI scope's
+state (`key_label`), where the live speculation metrics and `--record` read it; the key itself
+is never kept anywhere else.
+
+The body limit reads the whole body up front (refusing it with 413 as soon as it passes the
+size limit, or at once when Content-Length says so; with 408 when it has not all arrived
 within the body timeout, so a client sending a byte a second cannot hold a request open), then
 replays it to the app; later receive() calls go to the client, so a disconnect is still seen.
 """
@@ -11,39 +16,87 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from specdecode.errors import SpecDecodeError
 from specdecode.server.openai_errors import APIError, Observer, ignore_error
+from specdecode.server.protocol import LABEL_PATTERN
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes; every other path needs the key
+KEY_LABEL = "key_label"  # where the presented key's label goes in scope["state"]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A key a client may present, and the label its traffic goes under (None: no label)."""
+
+    key: str
+    label: str | None = None
+
+    def __repr__(self) -> str:  # never print the key (logs, tracebacks)
+        return f"ApiKey(label={self.label!r})"
+
+    @classmethod
+    def parse(cls, value: str) -> ApiKey:
+        """`--api-key` as given: `LABEL=KEY` when the part before the first "=" is a label
+        (1-64 letters, digits or `_.:-`), `=KEY` for an unlabelled key that holds "=" itself,
+        else the whole value is the key. SpecDecodeError for an empty key."""
+        label, sep, key = value.partition("=")
+        if not sep or not (label == "" or re.match(LABEL_PATTERN, label)):
+            label, key = "", value
+        if not key.strip():
+            raise SpecDecodeError("--api-key must not be empty" + (
+                f" (label {label!r} has no key)" if label else ""))
+        return cls(key, label or None)
+
+
+def check_keys(keys: Sequence[ApiKey]) -> None:
+    """SpecDecodeError when one key is given twice (labels may repeat: a rotated key)."""
+    values = [k.key for k in keys]
+    if len(set(values)) != len(values):
+        raise SpecDecodeError("--api-key: the same key is given twice")
 
 
 class ApiKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on every path but /health: /v1/*, /metrics, the
-    OpenAPI schema (/openapi.json describes the whole API) and any path that would be a 404."""
+    """Require `Authorization: Bearer <key>` (one of the keys) on every path but /health:
+    /v1/*, /metrics, the OpenAPI schema (/openapi.json describes the whole API) and any path
+    that would be a 404; put the presented key's label in the scope's state."""
 
-    def __init__(self, app: ASGIApp, api_key: str, observe: Observer = ignore_error) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[ApiKey],
+                 observe: Observer = ignore_error) -> None:
         self.app = app
-        self._key = api_key.encode("utf-8")
+        self._keys = [(k.key.encode("utf-8"), k.label) for k in api_keys]
         self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _protected(scope["path"]) and not self._allowed(scope):
-            error = APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
-                             headers={"WWW-Authenticate": "Bearer"})
-            self.observe(error)
-            await error.response()(scope, receive, send)
-            return
+        if scope["type"] == "http" and _protected(scope["path"]):
+            allowed, label = self._match(scope)
+            if not allowed:
+                error = APIError(401, "missing or invalid API key (send Authorization: Bearer "
+                                      "KEY)", headers={"WWW-Authenticate": "Bearer"})
+                self.observe(error)
+                await error.response()(scope, receive, send)
+                return
+            scope.setdefault("state", {})[KEY_LABEL] = label
         await self.app(scope, receive, send)
 
-    def _allowed(self, scope: Scope) -> bool:
-        """Constant-time comparison of the bearer token with the configured key."""
+    def _match(self, scope: Scope) -> tuple[bool, str | None]:
+        """(whether the bearer token is one of the keys, that key's label); every key is
+        compared in constant time, none skipped, so the time taken does not say which."""
         value = _header(scope, b"authorization") or b""
         scheme, _, token = value.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
-        return hmac.compare_digest(token.strip(), self._key)
+            return False, None
+        token = token.strip()
+        found, label = False, None
+        for key, key_label in self._keys:
+            if hmac.compare_digest(token, key) and not found:
+                found, label = True, key_label
+        return found, label
 
 
 class BodyLimitMiddleware:

@@ -23,6 +23,20 @@ Names follow vLLM's (without its "vllm:" prefix), so one scraper or report reads
   evicted to stay under the caps), and suffix_store_info{isolation} (value 1: user or shared);
 - spec_decode_guard_holds (under --k auto): times the controller's guard held speculation off
   because its speculative steps realized fewer tokens/s than plain steps (control.PayGuard);
+- engine_steps_total{batch_size}: engine steps by the number of requests they decoded (the
+  batch-size distribution the traffic produced; `bench --endpoint` replays read it);
+- live speculation per drafter and request label (server.speculation, read at each scrape):
+  spec_decode_label_row_steps_total (a request in a step), spec_decode_label_no_draft_steps_total
+  (of those, drafting nothing), spec_decode_label_draft_tokens_total,
+  spec_decode_label_accepted_tokens_total, spec_decode_label_emitted_tokens_total,
+  spec_decode_label_step_seconds_total (each step's time, once per request in it) and
+  spec_decode_label_plain_equivalent_tokens_total (tokens plain decoding would have emitted in
+  that time, by the calibration): counters; spec_decode_realized_speedup (emitted over plain
+  equivalent, over the last judged window) and spec_decode_not_paying (1 while that is below
+  1.0): gauges; spec_decode_calibration_stale{reason} (target, precision, drafter, step_cost:
+  1 while the calibration does not describe what is served) and
+  spec_decode_plain_step_seconds{batch_size} (the calibrated plain step): gauges;
+- record_lines_total{outcome} (--record: lines written, dropped, failed);
 - prompt_tokens_total, generation_tokens_total, request_success_total{finished_reason}
   (stop, length, abort) counters;
 - requests_refused_total{reason}: requests answered with an error instead of a generation, by
@@ -39,6 +53,7 @@ thread updates the speculation counters and gauges, the event loop the per-reque
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 from prometheus_client import (
@@ -55,6 +70,7 @@ from prometheus_client.registry import Collector
 from specdecode.memory import peak_rss_bytes
 from specdecode.server.connections import HEADER_TIMEOUT
 from specdecode.server.openai_errors import ERROR_CODES
+from specdecode.server.speculation import STALE_REASONS, SpeculationMonitor
 from specdecode.suffix import SuffixStore
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -114,12 +130,28 @@ class ServerMetrics:
         self._memory = Gauge("memory_bytes", "Memory by component (bytes).",
                              [*m, "component"], registry=r)
         self._memory.labels(model_name, "peak_rss").set_function(_peak_rss_bytes)
+        self._steps = Counter("engine_steps", "Engine steps, by the requests they decoded.",
+                              [*m, "batch_size"], registry=r)
+        self._recorded = Counter("record_lines", "--record lines, by outcome.",
+                                 [*m, "outcome"], registry=r)
 
     def watch_guard(self, holds: Callable[[], float]) -> None:
         """Expose the controller's guard: `holds()` is read at each scrape."""
         Gauge("spec_decode_guard_holds", "Times speculation was held off because it did not "
               "pay (control.PayGuard).", ["model_name"], registry=self.registry
               ).labels(self.model_name).set_function(holds)
+
+    def watch_speculation(self, monitor: SpeculationMonitor) -> None:
+        """Expose the live speculation monitor (read at each scrape)."""
+        self.registry.register(_SpeculationCollector(monitor, self.model_name))
+
+    def observe_batch(self, batch: int) -> None:
+        """One engine step that decoded `batch` requests."""
+        self._steps.labels(self.model_name, str(batch)).inc()
+
+    def observe_recorded(self, outcome: str) -> None:
+        """One --record line: written, dropped or failed."""
+        self._recorded.labels(self.model_name, outcome).inc()
 
     def watch_suffix_store(self, store: SuffixStore, isolation: str) -> None:
         """Expose the `suffix` drafter's store of earlier requests (read at each scrape): its
@@ -214,3 +246,54 @@ class _SuffixStoreCollector(Collector):
                                  labels=[*labels, "isolation"])
         info.add_metric([self.model_name, self.isolation], 1.0)
         yield info
+
+
+class _SpeculationCollector(Collector):
+    """The live speculation series (server.speculation), read from the monitor when scraped."""
+
+    COUNTERS = (("row_steps", "spec_decode_label_row_steps", "Requests in engine steps."),
+                ("no_draft", "spec_decode_label_no_draft_steps",
+                 "Requests in engine steps that drafted nothing (k = 0)."),
+                ("drafted", "spec_decode_label_draft_tokens", "Draft tokens proposed."),
+                ("accepted", "spec_decode_label_accepted_tokens", "Draft tokens accepted."),
+                ("emitted", "spec_decode_label_emitted_tokens", "Tokens emitted by steps."),
+                ("step_s", "spec_decode_label_step_seconds",
+                 "Seconds of the steps, once per request in each."),
+                ("plain_equivalent", "spec_decode_label_plain_equivalent_tokens",
+                 "Tokens plain decoding would have emitted in that time (calibrated)."))
+
+    def __init__(self, monitor: SpeculationMonitor, model_name: str) -> None:
+        self.monitor, self.model_name = monitor, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name", "drafter", "label"]
+        per_label = self.monitor.labels()
+        for attr, name, doc in self.COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for label, (total, _, _) in per_label.items():
+                family.add_metric([self.model_name, self.monitor.drafter, label],
+                                  float(getattr(total, attr)))
+            yield family
+        speedup = GaugeMetricFamily("spec_decode_realized_speedup", "Realised speedup "
+                                    "estimate over the last judged window.", labels=labels)
+        losing = GaugeMetricFamily("spec_decode_not_paying", "1 while the realised speedup "
+                                   "estimate of the last window is below 1.0.", labels=labels)
+        for label, (_, window, not_paying) in per_label.items():
+            key = [self.model_name, self.monitor.drafter, label]
+            speedup.add_metric(key, window.speedup if window else math.nan)
+            losing.add_metric(key, float(not_paying))
+        yield speedup
+        yield losing
+        stale = GaugeMetricFamily("spec_decode_calibration_stale", "1 while the calibration "
+                                  "does not describe what is served, by reason.",
+                                  labels=["model_name", "reason"])
+        reasons = self.monitor.stale_reasons()
+        for reason in STALE_REASONS:
+            stale.add_metric([self.model_name, reason], float(reason in reasons))
+        yield stale
+        plain = GaugeMetricFamily("spec_decode_plain_step_seconds", "The calibrated plain "
+                                  "decoding step, by batch size.",
+                                  labels=["model_name", "batch_size"])
+        for batch, seconds in sorted(self.monitor.plain.seconds.items()):
+            plain.add_metric([self.model_name, str(batch)], seconds)
+        yield plain

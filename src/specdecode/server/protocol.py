@@ -16,6 +16,7 @@ the same fields (tests/test_server_docs.py compares them).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -27,6 +28,13 @@ from specdecode.limits import MAX_SEED, MIN_SEED
 MAX_STOP = 4
 MAX_STOP_CHARS = 512
 MAX_LOGIT_BIAS = 300
+# OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512
+MAX_METADATA = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+# A request label (metadata "label", or an --api-key label): the name live speculation metrics
+# and recordings group traffic by, so a Prometheus label value: short, no quotes or spaces
+LABEL_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
 
 
 
@@ -40,6 +48,8 @@ def _integral(value: Any, depth: int = 2) -> Any:
 
 
 Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_KEY)]
+MetadataValue = Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -110,10 +120,26 @@ class SamplingRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's free-form string pairs; "label" names the traffic in the live speculation
+    # metrics and in a recording (after the API key's own label), "category" in a replay's report
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None,
+                                                             max_length=MAX_METADATA)
     # structured output, as vLLM spells it (extensions; docs/structured-output.md)
     guided_json: dict[str, Any] | str | None = Field(default=None, description="extension")
     guided_regex: str | None = Field(default=None, description="extension")
     guided_grammar: str | None = Field(default=None, description="extension (Lark or GBNF)")
+
+
+    @field_validator("metadata")
+    @classmethod
+    def _label(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        """metadata.label, where given, is a label: 1-64 letters, digits or `_.:-`."""
+        label = (value or {}).get("label")
+        if label is not None and not re.match(LABEL_PATTERN, label):
+            raise PydanticCustomError(
+                "invalid_label", "metadata.label must be 1-64 letters, digits or _.:- (it "
+                "names a series of the speculation metrics)")
+        return value
 
 
 class CompletionRequest(SamplingRequest):

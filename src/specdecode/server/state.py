@@ -2,17 +2,22 @@
 
 `build_state` turns a loaded model and the serve options into that state: the drafter factory,
 the batch engine over one shared KV cache (with the controller and its measured costs under
-`--k auto`), and the engine thread (started by the app's lifespan).
+`--k auto`), the calibrated plain step the live speculation monitor measures against (and,
+with `--calibration`, what differs from the bench report the deployment was chosen by), the
+recorder (`--record`), and the engine thread (started by the app's lifespan).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from specdecode.calibration import calibrated_costs
 from specdecode.control import Controller, CostModel
@@ -27,11 +32,22 @@ from specdecode.models.loading import LoadedModel
 from specdecode.models.target import Target
 from specdecode.server.connections import HEADER_TIMEOUT_S
 from specdecode.server.isolation import Isolation
+from specdecode.server.middleware import ApiKey, check_keys
 from specdecode.server.openai_errors import APIError
 from specdecode.server.prepare import ServedModel
 from specdecode.server.prometheus import ServerMetrics
+from specdecode.server.record import Recorder, RecordOptions, tokenizer_digest
+from specdecode.server.speculation import (
+    WINDOW_S,
+    SpeculationMonitor,
+    calibrate_plain_steps,
+    calibration_mismatches,
+    read_report,
+)
 from specdecode.server.tokens import PromptEncoder
 from specdecode.server.worker import EngineWorker
+
+log = logging.getLogger("specdecode.server")
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB
 BODY_TIMEOUT_S = 60.0  # a whole body of MAX_BODY_BYTES then needs >= 17 kB/s
@@ -64,7 +80,9 @@ class ServeOptions:
     max_batch: int = 8
     max_seq_len: int = 2048
     max_queue: int = 64
-    api_key: str | None = None
+    # keys a client may present (none: no key needed), each with the label its traffic goes
+    # under in the live speculation metrics and in a recording
+    api_keys: tuple[ApiKey, ...] = ()
     served_model_name: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     # parse special-token strings in chat message contents as control tokens (trusted callers)
@@ -76,6 +94,9 @@ class ServeOptions:
     header_timeout: float = HEADER_TIMEOUT_S  # seconds for a request's complete headers
     body_timeout: float = BODY_TIMEOUT_S  # seconds for its complete body (then 408)
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # on SIGTERM: for in-flight requests to end
+    record: RecordOptions | None = None  # --record: append the traffic accepted to a file
+    speculation_window: float = WINDOW_S  # seconds per judged window of the live metrics
+    calibration: Path | None = None  # the bench report.json the deployment was chosen by
 
     def check(self) -> None:
         """Raise SpecDecodeError naming the first out-of-range option."""
@@ -94,8 +115,14 @@ class ServeOptions:
         if not self.shutdown_timeout >= 0:
             raise SpecDecodeError(f"--shutdown-timeout must be >= 0 seconds, got "
                                   f"{self.shutdown_timeout}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise SpecDecodeError("--api-key must not be empty")
+        check_keys(self.api_keys)
+        if not self.speculation_window > 0:
+            raise SpecDecodeError(f"--speculation-window must be > 0 seconds, got "
+                                  f"{self.speculation_window}")
+        if self.record is not None:
+            self.record.check()
+        if self.calibration is not None:
+            read_report(self.calibration)
         self.drafter.check()
 
 
@@ -104,14 +131,16 @@ class ServerState:
     served: ServedModel
     worker: EngineWorker
     metrics: ServerMetrics
+    monitor: SpeculationMonitor
     max_inflight: int  # requests decoding + queued; one more is refused with 429
     max_body_bytes: int
-    api_key: str | None
+    api_keys: tuple[ApiKey, ...]
     header_timeout: float = HEADER_TIMEOUT_S
     body_timeout: float = BODY_TIMEOUT_S
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S
     inflight: int = field(default=0)
     draining: bool = False  # shutting down: new requests get 503 (see server.shutdown)
+    recorder: Recorder | None = None  # --record
     long_prompts: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="specdecode-tokenize", initializer=_lower_priority))
 
@@ -173,10 +202,45 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
                        engine.cache.nbytes())
     if store is not None:
         metrics.watch_suffix_store(store, isolation.mode)
-    return ServerState(served, EngineWorker(engine, metrics), metrics,
+    monitor = speculation_monitor(loaded, options)
+    metrics.watch_speculation(monitor)
+    recorder = None
+    if options.record is not None:
+        recorder = Recorder(options.record, recorded_model(loaded, name),
+                            metrics.observe_recorded)
+    return ServerState(served, EngineWorker(engine, metrics, monitor), metrics, monitor,
                        options.max_batch + options.max_queue, options.max_body_bytes,
-                       options.api_key, options.header_timeout, options.body_timeout,
-                       options.shutdown_timeout)
+                       options.api_keys, options.header_timeout, options.body_timeout,
+                       options.shutdown_timeout, recorder=recorder)
+
+
+def speculation_monitor(loaded: LoadedModel, options: ServeOptions) -> SpeculationMonitor:
+    """The live speculation monitor: the plain step calibrated now at batch 1 and the largest
+    batch, and what differs from the --calibration report (checked before anything loads:
+    `ServeOptions.check`)."""
+    from specdecode.bench.inprocess import weights_digest
+
+    plain = calibrate_plain_steps(loaded.model, loaded.tokenizer,
+                                  _calibration_batches(options.max_batch))
+    stale: dict[str, str] = {}
+    if options.calibration is not None:
+        report = read_report(options.calibration)
+        stale = calibration_mismatches(report, loaded.name, weights_digest(loaded.source),
+                                       loaded.precision, options.drafter.name)
+        for why in stale.values():
+            log.warning("--calibration: %s", why)
+    return SpeculationMonitor(options.drafter.name, plain, options.speculation_window,
+                              stale=stale)
+
+
+def recorded_model(loaded: LoadedModel, served_name: str) -> dict[str, Any]:
+    """What a recording names its model by: the id served, the checkpoint's name, precision
+    and backend, its weights' and its tokenizer's sha256 (bench compares them)."""
+    from specdecode.bench.inprocess import weights_digest
+
+    return {"id": served_name, "name": loaded.name, "precision": loaded.precision,
+            "backend": loaded.backend, "weights": weights_digest(loaded.source),
+            "tokenizer": tokenizer_digest(loaded.tokenizer)}
 
 
 def _draft_weight_bytes(factory: DrafterFactory | None, model: Target) -> int:

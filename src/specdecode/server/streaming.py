@@ -40,11 +40,13 @@ class Submission:
     """One request handed to the engine thread; iterate `outputs()` for its StepOutputs."""
 
     def __init__(self, worker: EngineWorker, gen: Generation, metrics: ServerMetrics,
-                 on_close: Callable[[], None]) -> None:
+                 on_close: Callable[[], None], label: str | None = None,
+                 keep_text: bool = False) -> None:
         self.worker, self.gen, self.metrics = worker, gen, metrics
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.text: list[str] | None = [] if keep_text else None  # the reply, for --record
         self.started = time.perf_counter()
         self._last: float | None = None  # when the last token-carrying output arrived
         self._checked = self.started  # when the client was last checked for a disconnect
@@ -54,7 +56,7 @@ class Submission:
         def deliver(event: Event) -> None:  # runs on the engine thread
             loop.call_soon_threadsafe(self.events.put_nowait, event)
 
-        worker.submit(gen, deliver)
+        worker.submit(gen, deliver, label)
 
     @property
     def prompt_tokens(self) -> int:
@@ -96,6 +98,8 @@ class Submission:
                 self.metrics.observe_inter_token(now - self._last)
             self._last = now
         self.completion_tokens += len(out.tokens)
+        if self.text is not None:
+            self.text.append(out.text)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.metrics.observe_finished(out.finish_reason, self.prompt_tokens,

@@ -7,7 +7,8 @@ cancelled request's cache row is freed before the next step runs. Outputs go bac
 
 A failure inside a step is logged and fails only the requests that were in that step (their
 clients get an error event); the thread keeps serving the others. Engine-side metrics (the
-speculation counters, the running/waiting and KV gauges) are updated here after every step.
+speculation counters, the running/waiting and KV gauges, the steps by batch size) and the live
+speculation monitor (per request label: server.speculation) are updated here after every step.
 
 A request ended unfinished (cancelled: its client left or the server shut down; or failed)
 leaves nothing in a `suffix` drafter's store of earlier requests: only requests generated to
@@ -28,6 +29,7 @@ from typing import Literal
 from specdecode.engine import BatchEngine, Generation, StepOutput
 from specdecode.errors import SpecDecodeError
 from specdecode.server.prometheus import ServerMetrics
+from specdecode.server.speculation import Row, SpeculationMonitor
 
 log = logging.getLogger("specdecode.server")
 
@@ -52,6 +54,7 @@ class _Command:
     gen: Generation | None = None
     deliver: Deliver | None = None
     failure: EngineFailure | None = None
+    label: str | None = None
 
 
 @dataclass
@@ -59,6 +62,7 @@ class _Tracked:
     """A request the engine holds: where its outputs go and its counters at the last step."""
 
     deliver: Deliver
+    label: str | None = None  # the request's label (server.speculation)
     drafted: int = 0
     accepted: int = 0
     per_pos: list[int] = field(default_factory=list)
@@ -67,9 +71,11 @@ class _Tracked:
 class EngineWorker:
     """Runs `engine.step()` in a loop on its own thread while there is work."""
 
-    def __init__(self, engine: BatchEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: BatchEngine, metrics: ServerMetrics,
+                 monitor: SpeculationMonitor | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.monitor = monitor
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._tracked: dict[Generation, _Tracked] = {}
         self._thread: threading.Thread | None = None
@@ -92,9 +98,10 @@ class EngineWorker:
             self._commands.put(_Command("stop"))
             self._thread.join(timeout)
 
-    def submit(self, gen: Generation, deliver: Deliver) -> None:
-        """Queue `gen`; its StepOutputs (or one EngineFailure) will be passed to `deliver`."""
-        self._commands.put(_Command("submit", gen, deliver))
+    def submit(self, gen: Generation, deliver: Deliver, label: str | None = None) -> None:
+        """Queue `gen`; its StepOutputs (or one EngineFailure) will be passed to `deliver`;
+        its steps count under `label` in the live speculation metrics."""
+        self._commands.put(_Command("submit", gen, deliver, label=label))
 
     def cancel(self, gen: Generation) -> None:
         """Stop `gen` and free its cache row before the next step (no-op once it finished)."""
@@ -150,7 +157,7 @@ class EngineWorker:
         except SpecDecodeError as exc:
             _deliver(command.deliver, EngineFailure(str(exc), 400, "invalid_value"))
             return True
-        self._tracked[gen] = _Tracked(command.deliver)
+        self._tracked[gen] = _Tracked(command.deliver, command.label)
         return True
 
     def _step(self) -> None:
@@ -164,24 +171,31 @@ class EngineWorker:
             self._fail(held, EngineFailure("the engine failed while running this request "
                                            "(logged on the server)"))
             return
+        rows = []
         for gen, out in outputs:
             tracked = self._tracked.get(gen)
             if tracked is None:
                 continue
-            self._observe(gen, tracked)
+            rows.append(self._observe(gen, tracked, len(out.tokens)))
             if out.finish_reason is not None:
                 del self._tracked[gen]
             _deliver(tracked.deliver, out)
+        if outputs:
+            self.metrics.observe_batch(len(outputs))
+            if self.monitor is not None:
+                self.monitor.observe_step(self.engine.last_step_ns / 1e9, len(outputs), rows)
 
-    def _observe(self, gen: Generation, tracked: _Tracked) -> None:
-        """Feed this step's speculation counts (the change since the last step) to metrics."""
+    def _observe(self, gen: Generation, tracked: _Tracked, emitted: int) -> Row:
+        """Feed this step's speculation counts (the change since the last step) to metrics;
+        the request's part of the step, for the monitor."""
         c = gen.counters
         per_pos = [now - before for now, before in
                    zip_longest(c.accepted_per_pos, tracked.per_pos, fillvalue=0)]
-        self.metrics.observe_step(c.drafted - tracked.drafted, c.accepted - tracked.accepted,
-                                  per_pos)
+        drafted, accepted = c.drafted - tracked.drafted, c.accepted - tracked.accepted
+        self.metrics.observe_step(drafted, accepted, per_pos)
         tracked.drafted, tracked.accepted = c.drafted, c.accepted
         tracked.per_pos = list(c.accepted_per_pos)
+        return Row(tracked.label, drafted, accepted, emitted)
 
     def _fail(self, gens: list[Generation], failure: EngineFailure) -> None:
         """Remove `gens` from the engine and tell their clients why."""
