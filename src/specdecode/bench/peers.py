@@ -34,8 +34,11 @@ class LlamaCppPeers:
 
     def __init__(self, source: Path, threads: int, n_ctx: int) -> None:
         from specdecode.models.llamacpp import import_llama_cpp
+        from specdecode.models.llamacpp_probe import require_runs
 
         self.L = import_llama_cpp()
+        # the peer opens the GGUF as users do (Llama's defaults: extra buffer types on)
+        require_runs("default", f"peer llama-cpp-python on {source}")
         self.source, self.threads, self.n_ctx = source, threads, n_ctx
         self._llms: dict[tuple[str, int], Any] = {}
 

@@ -37,6 +37,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import check_room
 from specdecode.models.config import ModelConfig
 from specdecode.models.invariance import Invariance
+from specdecode.models.llamacpp_probe import require_runs
 from specdecode.models.target import Cache, Target
 
 EXTRA = "llamacpp"  # pip install "specdecode[llamacpp]"
@@ -46,6 +47,12 @@ FLASH_ATTN_DISABLED = 0  # llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
 DEFAULT_SEQUENCES = 10  # llama.cpp sequences per context: batch rows + prompts being prefilled
 SEQUENCES_ENV = "SPECDECODE_LLAMACPP_SEQUENCES"
 DEFAULT_ROW_TOKENS = 2048  # KV cells of each sequence (llama.cpp allocates them all at once)
+# Extra buffer types (ggml's CPU-specific weight layouts: AMX tiles, repacked Q4_0/Q4_K/IQ4_NL/
+# Q8_0 interleavings) are off: their kernels take one path for a single row and another for
+# several, so a position's logits depend on the draft width (docs/llamacpp.md), and the AMX one
+# is what dies on Xeons when GCC 12 built it (models.llamacpp_probe). Weights stay as the file
+# stores them and every width runs ggml's plain vector-dot kernels.
+EXTRA_BUFFER_TYPES = False
 
 
 def import_llama_cpp() -> Any:
@@ -161,8 +168,11 @@ class LlamaCppModel:
 
     def __init__(self, path: Path, cfg: ModelConfig, *, threads: int | None = None,
                  row_tokens: int = DEFAULT_ROW_TOKENS, sequences: int | None = None,
-                 flash_attn: bool = False, unified_kv: bool = False) -> None:
+                 flash_attn: bool = False, unified_kv: bool = False,
+                 extra_bufts: bool = EXTRA_BUFFER_TYPES) -> None:
         L = import_llama_cpp()
+        # a binary that dies on this CPU must not take the interpreter with it
+        require_runs("backend" if not extra_bufts else "default", str(path))
         _quiet(L)
         L.llama_backend_init()
         self.L, self.cfg, self.path = L, cfg, path
@@ -172,6 +182,7 @@ class LlamaCppModel:
             raise SpecDecodeError(f"--threads {self.threads} is more than this machine's "
                                   f"{cores} cores")
         mp = L.llama_model_default_params()
+        mp.use_extra_bufts = extra_bufts
         self._model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise SpecDecodeError(f"{path}: llama.cpp cannot load this GGUF")
