@@ -66,8 +66,10 @@ def _kinds(layer: int) -> dict[str, str]:
     return kinds
 
 
-def write_tiny_qwen2_kquant(dest: Path, seed: int = 0, std: float = 0.06) -> Path:
-    """Write the tiny K-quant Qwen2 GGUF to `dest`; returns `dest`."""
+def write_tiny_qwen2_kquant(dest: Path, seed: int = 0, std: float = 0.06,
+                            head_kind: str = "Q6_K") -> Path:
+    """Write the tiny K-quant Qwen2 GGUF to `dest`; returns `dest`. `head_kind`: the LM head's
+    type (I8: a type no loader here de-quantizes, for the tests of that refusal)."""
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
     from gguf.quants import quantize
 
@@ -99,6 +101,8 @@ def write_tiny_qwen2_kquant(dest: Path, seed: int = 0, std: float = 0.06) -> Pat
             w.add_tensor(name, q4_k_blocks(rng, rows, cols, s), raw_dtype=GGMLQuantizationType.Q4_K)
         elif kind == "Q6_K":
             w.add_tensor(name, q6_k_blocks(rng, rows, cols, s), raw_dtype=GGMLQuantizationType.Q6_K)
+        elif kind == "I8":
+            w.add_tensor(name, rng.integers(-8, 8, size=(rows, cols), dtype=np.int8))
         else:
             qtype = GGMLQuantizationType[kind]
             values = rng.normal(0.0, s, size=(rows, cols)).astype(np.float32)
@@ -120,9 +124,58 @@ def write_tiny_qwen2_kquant(dest: Path, seed: int = 0, std: float = 0.06) -> Pat
         matrix(p + "ffn_up.weight", kinds["ffn_up"], ff, hidden)
         matrix(p + "ffn_down.weight", kinds["ffn_down"], hidden, ff)
     vector("output_norm.weight", hidden, 1.0, 0.1)
-    matrix("output.weight", "Q6_K", vocab, hidden, scale=4.0)  # untied, as in the pair
+    matrix("output.weight", head_kind, vocab, hidden, scale=4.0)  # untied, as in the pair
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return dest
+
+
+def decode_q4_k(raw: np.ndarray, broken: bool = False) -> np.ndarray:
+    """Q4_K blocks (n, 144) uint8 -> weights (n, 256) float32, as ggml's dequantize_row_q4_K
+    computes them. `broken`: the upper four sub-blocks read their scale and min from the wrong
+    bits (a decoding bug the tests must catch)."""
+    f16 = np.float16
+    d = raw[:, 0:2].copy().view(f16).astype(np.float32)
+    dmin = raw[:, 2:4].copy().view(f16).astype(np.float32)
+    sc = raw[:, 4:16].astype(np.uint32)
+    qs = raw[:, 16:144]
+    scales = np.empty((len(raw), 8), np.float32)
+    mins = np.empty((len(raw), 8), np.float32)
+    for j in range(4):
+        scales[:, j], mins[:, j] = sc[:, j] & 63, sc[:, j + 4] & 63
+    for j in range(4, 8):
+        low, high = (sc[:, j + 4] & 0xF, sc[:, j + 4] >> 4) if not broken else \
+            (sc[:, j + 4] >> 4, sc[:, j + 4] & 0xF)
+        scales[:, j] = low | ((sc[:, j - 4] >> 6) << 4)
+        mins[:, j] = high | ((sc[:, j] >> 6) << 4)
+    out = np.empty((len(raw), QK_K), np.float32)
+    for c in range(4):
+        q = qs[:, 32 * c:32 * c + 32]
+        for half, codes in ((0, q & 0xF), (1, q >> 4)):
+            s = 2 * c + half
+            d1 = d[:, 0:1] * scales[:, s:s + 1]
+            m1 = dmin[:, 0:1] * mins[:, s:s + 1]
+            out[:, 64 * c + 32 * half:64 * c + 32 * half + 32] = d1 * codes.astype(np.float32) - m1
+    return out
+
+
+def decode_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Q6_K blocks (n, 210) uint8 -> weights (n, 256) float32 (ggml's dequantize_row_q6_K)."""
+    ql, qh = raw[:, 0:128].astype(np.int32), raw[:, 128:192].astype(np.int32)
+    sc = raw[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = raw[:, 208:210].copy().view(np.float16).astype(np.float32)
+    out = np.empty((len(raw), QK_K), np.float32)
+    for half in range(2):
+        lo, hi, s = ql[:, 64 * half:64 * half + 64], qh[:, 32 * half:32 * half + 32], 8 * half
+        quads = (((lo[:, :32] & 0xF) | ((hi & 3) << 4)) - 32,
+                 ((lo[:, 32:] & 0xF) | (((hi >> 2) & 3) << 4)) - 32,
+                 ((lo[:, :32] >> 4) | (((hi >> 4) & 3) << 4)) - 32,
+                 ((lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4)) - 32)
+        for k, q in enumerate(quads):
+            for part in range(2):  # each 32 values take two 16-wide scales
+                cols = slice(128 * half + 32 * k + 16 * part, 128 * half + 32 * k + 16 * part + 16)
+                scale = sc[:, s + 2 * k + part:s + 2 * k + part + 1]
+                out[:, cols] = d * scale * q[:, 16 * part:16 * part + 16].astype(np.float32)
+    return out

@@ -42,6 +42,7 @@ from specdecode.verify import without_replacement
 if TYPE_CHECKING:
     from specdecode.models.llama import LlamaModel
     from specdecode.models.target import Cache, Target
+    from specdecode.models.tokenizer import Tokenizer
 
 # Sibling leaves (`siblings=True`, a token tree; EAGLE-2's idea of branching where the draft is
 # unsure, Li et al. 2024, cut to one extra leaf per position, which costs no extra draft
@@ -59,6 +60,23 @@ def check_vocab(target: Target, draft: Target, draft_name: str) -> None:
             "a draft model must share the target's tokenizer (for a draft with another "
             "tokenizer, use --drafter xtok, which drafts through text)"
         )
+
+
+def check_tokenizer(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    """Refuse a draft whose tokens are not the target's: with as many tokens but other strings
+    (another tokenizer of the same size), its token ids would mean other text to the target.
+    Output would stay lossless, but hardly a draft token would be accepted."""
+    mine, theirs = target.vocabulary(), draft.vocabulary()
+    if mine == theirs:
+        return
+    by_id = {i: t for t, i in mine.items()}
+    other = {i: t for t, i in theirs.items()}
+    first = min(i for i in set(by_id) | set(other) if by_id.get(i) != other.get(i))
+    raise SpecDecodeError(
+        f"draft model {draft_name} has another tokenizer than the target (token {first} is "
+        f"{by_id.get(first)!r} in the target, {other.get(first)!r} in the draft): a draft "
+        "model must share the target's tokenizer (for a draft with another tokenizer, use "
+        "--drafter xtok, which drafts through text)")
 
 
 class DraftModelDrafter(Drafter):

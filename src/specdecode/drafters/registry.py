@@ -146,7 +146,7 @@ def _factory(opts: DrafterOptions, target: Target, capacity: int, tokenizer: Tok
         return _quantized_copy(name, target, capacity, opts.draft_vocab)
     assert opts.draft_model is not None  # DrafterOptions.check: both need one
     if name == "draft-model":
-        return _draft_model(target, opts.draft_model, capacity)
+        return _draft_model(target, opts.draft_model, capacity, tokenizer)
     from specdecode.drafters.xtok import xtok_factory
 
     return DrafterFactory(xtok_factory(tokenizer, opts.draft_model, capacity))
@@ -254,8 +254,9 @@ def _quantized_copy(name: str, target: Target, capacity: int, draft_vocab: int |
     return DrafterFactory(lambda: DraftModelDrafter(model, name, capacity, in_cache=True))
 
 
-def _draft_model(target: Target, draft_model: str, capacity: int) -> DrafterFactory:
-    from specdecode.drafters.draft_model import DraftModelDrafter, check_vocab
+def _draft_model(target: Target, draft_model: str, capacity: int,
+                 tokenizer: Tokenizer | None) -> DrafterFactory:
+    from specdecode.drafters.draft_model import DraftModelDrafter, check_tokenizer, check_vocab
     from specdecode.models.loading import load_model
 
     gguf_target = llamacpp_target(target)  # on llama.cpp, a GGUF draft runs there too
@@ -267,6 +268,9 @@ def _draft_model(target: Target, draft_model: str, capacity: int) -> DrafterFact
         if sidecar_path(Path(draft_model).expanduser()).is_file():  # a subset-head export
             sub = load_gguf_draft(Path(draft_model).expanduser(), gguf_target)
             return DrafterFactory(lambda: DraftModelDrafter(sub, "draft-model", capacity))
-    draft = load_model(draft_model, backend=target.backend if gguf_target else "auto").model
+    loaded = load_model(draft_model, backend=target.backend if gguf_target else "auto")
+    draft = loaded.model
     check_vocab(target, draft, draft_model)
+    if tokenizer is not None:  # same size is not the same tokens
+        check_tokenizer(tokenizer, loaded.tokenizer, draft_model)
     return DrafterFactory(lambda: DraftModelDrafter(draft, "draft-model", capacity))

@@ -106,6 +106,13 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
+def readable_types() -> list[str]:
+    """The GGUF tensor types the converter de-quantizes (gguf-py's, plus F32 and F16)."""
+    from gguf.quants import _type_traits
+
+    return ["F32", "F16", *(t.name for t in _type_traits)]
+
+
 def gguf_state_dict(reader: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
@@ -121,7 +128,9 @@ def gguf_state_dict(reader: Any, config: dict[str, Any], path: Path) -> dict[str
             w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         except (NotImplementedError, ValueError) as exc:
             raise SpecDecodeError(
-                f"{path}: tensor '{tensor.name}' has unsupported type {tensor.tensor_type.name}"
+                f"{path}: tensor '{tensor.name}' is stored as {tensor.tensor_type.name}, which "
+                f"the native runner cannot read (it reads {', '.join(readable_types())}); run "
+                "this file with --backend llama.cpp, or re-quantize it to one of those types"
             ) from exc
         if permute_q and tensor.name.endswith("attn_q.weight"):
             w = _unpermute(w, config["num_attention_heads"])

@@ -47,6 +47,14 @@ FLASH_ATTN_DISABLED = 0  # llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
 DEFAULT_SEQUENCES = 10  # llama.cpp sequences per context: batch rows + prompts being prefilled
 SEQUENCES_ENV = "SPECDECODE_LLAMACPP_SEQUENCES"
 DEFAULT_ROW_TOKENS = 2048  # KV cells of each sequence (llama.cpp allocates them all at once)
+# ggml sends products of K-quant and IQ weights (Q2_K..Q6_K, IQ*) with 8 or more activation rows
+# to its tiled GEMM (ggml-cpu/tiled/tiled.cpp) and fewer rows to the vector-dot kernels: on the
+# Qwen2.5-Coder 1.5B Q4_K_M file a position scored alone and first of 8 differed by 0.37
+# (benchmarks/llamacpp_tiled.py). No build flag removes the switch; this variable, read once
+# per process at its first matrix product, keeps every width on the vector-dot kernels (0.0 at
+# widths 1-16 and chunkings of 4, 8, 16). A user's own setting wins (the load-time check then
+# judges it). GGML_CPU_TILED_MM_FORCE=1 (tiled at every width) is exact too.
+TILED_ENV = "GGML_CPU_TILED_MM"
 # Extra buffer types (ggml's CPU-specific weight layouts: AMX tiles, repacked Q4_0/Q4_K/IQ4_NL/
 # Q8_0 interleavings) are off: their kernels take one path for a single row and another for
 # several, so a position's logits depend on the draft width (docs/llamacpp.md), and the AMX one
@@ -56,7 +64,10 @@ EXTRA_BUFFER_TYPES = False
 
 
 def import_llama_cpp() -> Any:
-    """The llama_cpp module, or one clear error saying how to install it."""
+    """The llama_cpp module, or one clear error saying how to install it. Every use of
+    llama-cpp-python here (the backend, its peers) imports it through this function, so the
+    tiled-GEMM choice is set before the process's first matrix product."""
+    os.environ.setdefault(TILED_ENV, "0")
     try:
         import llama_cpp
     except ImportError as exc:

@@ -35,6 +35,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's string and id, added tokens included."""
+        return dict(self._tok.get_vocab(with_added_tokens=True))
+
     def to_json(self) -> str:
         """The tokenizer as `tokenizers` JSON (what llguidance builds its own from)."""
         return str(self._tok.to_str())
