@@ -54,7 +54,7 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, adopt_prefill
 from specdecode.memory import weight_bytes
-from specdecode.models.loading import load_model
+from specdecode.models.backends import load_model
 from specdecode.sampling import SamplingParams
 
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"

@@ -53,7 +53,7 @@ from specdecode.calibration import forward_costs
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.ngram import NgramDrafter, NgramIndex
 from specdecode.drafters.registry import drafter_factory
-from specdecode.models.loading import load_model
+from specdecode.models.backends import load_model
 from specdecode.models.precision import apply_precision
 from specdecode.sampling import SamplingParams
 

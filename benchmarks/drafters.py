@@ -43,7 +43,7 @@ from specdecode.control import Controller, CostModel
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import load_model
+from specdecode.models.backends import load_model
 from specdecode.sampling import SamplingParams
 
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"

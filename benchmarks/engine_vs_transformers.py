@@ -25,7 +25,8 @@ from specdecode.bench.hardware import machine_summary
 from specdecode.calibration import forward_costs
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation
-from specdecode.models.loading import load_model, resolve_folder
+from specdecode.models.backends import load_model
+from specdecode.models.loading import resolve_folder
 from specdecode.models.precision import quantize_int8
 from specdecode.sampling import SamplingParams
 

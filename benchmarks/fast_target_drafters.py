@@ -44,7 +44,8 @@ from specdecode.control import CostModel
 from specdecode.drafters import auto
 from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.registry import drafter_factory
-from specdecode.models.loading import load_model, make_exact
+from specdecode.models.backends import load_model
+from specdecode.models.loading import make_exact
 from specdecode.models.precision import apply_precision
 from specdecode.sampling import SamplingParams
 

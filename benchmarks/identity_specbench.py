@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from specdecode.control import Controller
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.models.precision import apply_precision
 from specdecode.sampling import SamplingParams
 

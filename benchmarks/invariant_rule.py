@@ -29,7 +29,7 @@ from specdecode.bench.hardware import machine_summary
 from specdecode.bench.workloads import load_default_workload
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import Generation
-from specdecode.models.loading import load_model
+from specdecode.models.backends import load_model
 from specdecode.sampling import SamplingParams
 
 RULES = ("invariant", "residual")

@@ -18,7 +18,7 @@ import torch
 from specdecode.bench.hardware import machine_summary
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import Generation
-from specdecode.models.loading import load_model
+from specdecode.models.backends import load_model
 from specdecode.sampling import SamplingParams
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench" / \

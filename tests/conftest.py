@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -15,7 +15,7 @@ import torch
 import specdecode
 from specdecode import SpecDecodeError
 from specdecode.engine import Generation
-from specdecode.models import loading
+from specdecode.models import backends
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint
 
@@ -39,7 +39,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(loading, "load_model", refuse)
+    monkeypatch.setattr(backends, "load_model", refuse)
 
 
 def test_generate_is_the_engine_greedy_and_speculation_changes_no_token(tiny: Path) -> None:
@@ -120,7 +120,7 @@ def test_bad_generate_arguments_name_the_value(
 def test_bench_is_the_command_on_the_loaded_model(
         tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sd = specdecode.load(tiny, threads=1)
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded again"))
+    monkeypatch.setattr(backends, "load_model", lambda *a, **k: pytest.fail("loaded again"))
     workload = tmp_path / "w.jsonl"
     workload.write_text('{"prompt": "t5 t6 t7 t5 t6", "category": "code"}\n'
                         '{"prompt": "t9 t10 t9 t10", "category": "chat"}\n', encoding="utf-8")

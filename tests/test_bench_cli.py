@@ -14,7 +14,7 @@ from specdecode.bench import plan as commands
 from specdecode.bench.plan import parse_configs
 from specdecode.bench.records import ConfigSpec
 from specdecode.errors import SpecDecodeError
-from specdecode.models import loading
+from specdecode.models import backends
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
 
@@ -41,7 +41,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(loading, "load_model", refuse)
+    monkeypatch.setattr(backends, "load_model", refuse)
 
 
 def run(argv: list[str]) -> tuple[int, str, str]:

@@ -40,7 +40,8 @@ from specdecode.bench.store import read_results
 from specdecode.bench.workloads import Prompt, load_workload
 from specdecode.control import CostModel
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.server.app import create_app
 from specdecode.server.background import BackgroundServer
 from specdecode.server.state import ServerState, build_state

@@ -32,7 +32,8 @@ from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Generation, StepOutput
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint
 from tests.fakes import ScriptedDrafter

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specdecode import calibration_cache
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
 

@@ -384,13 +384,13 @@ def test_smollm_json_schema_output_validates_and_speculation_is_identical(smollm
 def test_bad_constraint_flags_are_one_error_before_any_model_loads(
         command: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    import specdecode.models.loading as loading
+    import specdecode.models.backends as backends
     from specdecode.cli import main
 
     def no_model(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(loading, "load_model", no_model)
+    monkeypatch.setattr(backends, "load_model", no_model)
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "nope"}')
     argv = [command, *(["x"] if command == "generate" else []), "--json-schema", str(bad)]

@@ -175,7 +175,7 @@ def test_the_shipped_smollm2_draft_exports_for_vllm() -> None:
     draft's logits (as the native runner computes them on the fp32 target) on its subset."""
     from specdecode.drafters.distilled import DEFAULT_DIR, load_distilled, read_config
     from specdecode.integrations.vllm_server import distilled_folder, speculative_config
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     folder = distilled_folder()
     spec = speculative_config("distilled")

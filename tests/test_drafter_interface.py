@@ -13,7 +13,8 @@ import torch
 from specdecode.control import Controller
 from specdecode.drafters.base import Draft, Drafter, DraftRequest
 from specdecode.engine import BatchEngine, Generation, run_batch
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint
 

@@ -22,7 +22,8 @@ from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.models.precision import apply_precision
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint

@@ -178,7 +178,7 @@ def test_greedy_speculation_on_fast_targets_is_token_identical(
 
 
 def test_load_model_reports_the_measured_invariance(tmp_path: Path) -> None:
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     folder = make_checkpoint(tmp_path / "m")
     loaded = load_model(str(folder), precision="w4a16")

@@ -292,7 +292,7 @@ def test_smollm_greedy_with_the_shipped_distilled_draft_is_token_identical() -> 
     """The shipped draft exported for SmolLM2's GGUF (into the user cache, as `--drafter
     distilled --backend llama.cpp` does) on 4 built-in prompts (one in 6), 48 tokens, k = 3."""
     from specdecode.bench.workloads import load_default_workload
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     loaded = load_model(backend="llama.cpp")
     make = drafter_factory("distilled", loaded.model)

@@ -35,7 +35,7 @@ CATEGORIES = ("summarization", "rag", "translation", "qa", "math_reasoning", "wr
 
 @pytest.fixture(scope="module")
 def target() -> Any:
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     loaded = load_model(backend="llama.cpp", max_batch=4)
     assert loaded.model.invariance.exact, loaded.model.invariance

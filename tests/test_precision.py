@@ -20,15 +20,15 @@ from specdecode.agreement import (
 from specdecode.errors import SpecDecodeError
 from specdecode.models import precision
 from specdecode.models.config import config_from_hf, read_hf_config
-from specdecode.models.loading import LoadedModel, load_native
-from specdecode.models.precision import (
+from specdecode.models.linears import (
     GROUP,
-    PackedLinear,
-    WeightOnlyLinear,
-    apply_precision,
+    Int8DynamicLinear,
+    W4A16Linear,
+    W8A16Linear,
     float_weight,
-    quantize_int8,
 )
+from specdecode.models.loading import LoadedModel, load_native
+from specdecode.models.precision import apply_precision, quantize_int8
 from tests.conftest import make_checkpoint
 
 
@@ -105,9 +105,9 @@ def test_weight_only_products_are_row_invariant_and_int8_dynamic_is_not(
     w = tiny.layers[0].gate_up.weight.detach()
     x = torch.randn(37, w.shape[1], generator=torch.Generator().manual_seed(2)) * 3
     x[5] *= 40  # one large row: it would set a shared activation scale
-    for mod, invariant in ((WeightOnlyLinear("w8a16", w, None), True),
-                           (WeightOnlyLinear("w4a16", w, None), True),
-                           (PackedLinear("int8", w, None), False)):
+    for mod, invariant in ((W8A16Linear(w, None), True),
+                           (W4A16Linear(w, None), True),
+                           (Int8DynamicLinear(w, None), False)):
         together = mod(x)
         alone = torch.cat([mod(x[i:i + 1]) for i in range(len(x))])
         assert torch.equal(together, alone) is invariant, mod
@@ -224,7 +224,7 @@ def test_cost_curves_run_at_every_precision(
     from specdecode.bench.hardware import machine_summary
     from specdecode.calibration import forward_costs
 
-    curves = [forward_costs(apply_precision(tiny, p), 2, 16, 3, 3) for p in precision.PRECISIONS]
+    curves = [forward_costs(apply_precision(tiny, p), 2, 16, 3, 3) for p in precision.NATIVE_NAMES]
     for rows in curves:
         assert [r["k"] for r in rows] == [1, 2, 3] and rows[0]["v"] == 1.0
         assert all(r["min_s"] <= r["median_s"] <= r["max_s"] and r["first_s"] > 0 for r in rows)

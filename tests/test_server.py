@@ -26,7 +26,8 @@ import pytest
 from specdecode.control import CostModel
 from specdecode.drafters.options import DrafterOptions
 from specdecode.engine import Generation
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
 from specdecode.server.app import create_app
 from specdecode.server.background import BackgroundServer

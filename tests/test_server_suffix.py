@@ -24,7 +24,8 @@ import pytest
 
 from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.server.isolation import Isolation, credential
 from specdecode.server.state import ServeOptions, ServerState
 from specdecode.suffix import SuffixStore

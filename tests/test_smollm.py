@@ -9,7 +9,7 @@ import torch
 
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
-from specdecode.models import loading
+from specdecode.models import backends, loading
 from specdecode.models.loading import LoadedModel, default_model_path
 from specdecode.sampling import SamplingParams
 
@@ -103,7 +103,7 @@ def test_second_load_uses_the_converted_cache(
         raise AssertionError("converted again although the cache holds the model")
 
     monkeypatch.setattr("specdecode.models.gguf_convert.convert_gguf", refuse)
-    again = loading.load_model()
+    again = backends.load_model()
     assert again.model.cfg == smollm.model.cfg
 
 
@@ -127,5 +127,5 @@ def test_unreadable_gguf_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mo
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(SpecDecodeError, match=r"broken\.gguf: not a readable GGUF"):
-        loading.load_model(str(bad))
+        backends.load_model(str(bad))
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from specdecode.engine import BatchEngine, Generation, run_batch
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.models.target import Cache, Target
 from specdecode.sampling import SamplingParams
 from tests.cli_run import run_cli

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.backends import load_model
+from specdecode.models.loading import LoadedModel
 from specdecode.train.checkpoint import (
     latest_checkpoint,
     load_optimizer_state,

@@ -119,7 +119,8 @@ def precision_agreement(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import NATIVE, load_model
+    from specdecode.models.precision import REFERENCE
 
     p = argparse.ArgumentParser(prog="python -m specdecode.agreement", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--precisions", default="bf16,int8,w8a16,w4a16")
     p.add_argument("--chunk", type=int, default=8)
     args = p.parse_args(argv)
-    loaded = load_model(args.model, "fp32", "native")
+    loaded = load_model(args.model, REFERENCE.name, NATIVE.name)
     start = time.perf_counter()
     rows = precision_agreement(loaded.model, loaded.tokenizer, args.precisions.split(","),
                                chunk=args.chunk)

@@ -2,7 +2,7 @@
 
     import specdecode
 
-    sd = specdecode.load(drafter="ngram+w4a16")            # SmolLM2-135M-Instruct, fp32
+    sd = specdecode.load(drafter="ngram+w4a16")            # SmolLM2-135M-Instruct, auto
     out = sd.generate("Name three colours.", chat=True, max_tokens=32)
     print(out.text, out.counters.acceptance_rate)
     outcome = sd.bench(configs="plain;ngram+w4a16:k=3")     # the `specdecode bench` report
@@ -124,11 +124,9 @@ def load(
     this many plain steps (None: no cap).
     """
     from specdecode.drafters.registry import check_batch_invariant
-    from specdecode.models.precision import CHOICES
+    from specdecode.models.precision import check_choice
 
-    if precision not in CHOICES:
-        raise SpecDecodeError(f"unknown precision {precision!r} (supported: "
-                              f"{', '.join(CHOICES)})")
+    check_choice(precision)
     if isinstance(k, bool) or not isinstance(k, int | str):
         raise SpecDecodeError(f"k must be an integer in {K_RANGE} or 'auto', got {k!r}")
     options = DrafterOptions(
@@ -162,7 +160,7 @@ class Specdecode:
         import torch
 
         from specdecode.drafters.registry import drafter_factory
-        from specdecode.models.loading import load_model
+        from specdecode.models.backends import load_model
 
         if threads is not None:
             torch.set_num_threads(threads)

@@ -21,8 +21,9 @@ import torch
 
 from specdecode.bench.hardware import load_average, machine_summary
 from specdecode.calibration import forward_costs, quartiles
+from specdecode.models.backends import load_model
 from specdecode.models.llama import LlamaModel
-from specdecode.models.loading import load_model
+from specdecode.models.precision import is_reference
 
 
 def _prompt(tokenizer: Any, context: int) -> list[int]:
@@ -44,24 +45,23 @@ def peer_comparison(loaded: Any, new_tokens: int, repeats: int,
                             str(loaded.source))[0]
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     prompt = _prompt(loaded.tokenizer, context)
-    runs = {"native": _native_steps, "transformers": _transformers_steps}
-    models = {"native": loaded.model, "transformers": hf}
+    # ours: the native runner; theirs: transformers' generate() (not its backend: no adapter)
+    runs = {"ours": (_native_steps, loaded.model), "theirs": (_transformers_steps, hf)}
     steps: dict[str, list[float]] = {name: [] for name in runs}
     run_medians: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(max(1, repeats) + 1):  # the first round warms up both
-        for name, run in runs.items():
-            s = run(models[name], prompt, new_tokens)
+        for name, (run, model) in runs.items():
+            s = run(model, prompt, new_tokens)
             if r > 0:
                 steps[name] += s
                 run_medians[name].append(statistics.median(s))
-    native, peer = statistics.median(steps["native"]), statistics.median(steps["transformers"])
-    ratios = [a / b for a, b in zip(run_medians["native"], run_medians["transformers"],
-                                    strict=True)]
+    native, peer = statistics.median(steps["ours"]), statistics.median(steps["theirs"])
+    ratios = [a / b for a, b in zip(run_medians["ours"], run_medians["theirs"], strict=True)]
     return {"native_s_per_token": native, "transformers_s_per_token": peer,
             "ratio_native_over_transformers": native / peer,
             "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "native_q1_q3": quartiles(steps["native"]),
-            "transformers_q1_q3": quartiles(steps["transformers"]),
+            "native_q1_q3": quartiles(steps["ours"]),
+            "transformers_q1_q3": quartiles(steps["theirs"]),
             "new_tokens": new_tokens, "runs": max(1, repeats), "context": len(prompt),
             "batch": 1}
 
@@ -107,7 +107,8 @@ def run_costs(model_spec: str | None, precision: str, backend: str, context: int
     result["curves"] = [forward_costs(loaded.model, b, context, kmax, repeats) for b in batches]
     # the native runner against transformers on the same weights (llama.cpp's peers, its own
     # Python loops, are measured by `bench --backend llama.cpp`)
-    if compare_transformers and precision == "fp32" and isinstance(loaded.model, LlamaModel):
+    if compare_transformers and is_reference(loaded.precision) and \
+            isinstance(loaded.model, LlamaModel):
         result["peer"] = peer_comparison(loaded, 32, max(3, repeats // 2), context)
     result["load_avg_1m_end"] = load_average()
     return result

@@ -39,10 +39,11 @@ from specdecode.bench.analysis import (
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import RequestSample
 from specdecode.errors import SpecDecodeError
+from specdecode.models import backends, precision
 
-REFERENCE_TARGET = "fp32"  # fidelity is measured against this target
-LLAMACPP_TARGET = "llama.cpp"
-FIDELITY_CHOICES = "fp32 | any | kl=X | top1=X"
+# fidelity is measured against this target; --fidelity takes its name for "its output"
+REFERENCE_TARGET = precision.REFERENCE.name
+FIDELITY_CHOICES = f"{REFERENCE_TARGET} | any | kl=X | top1=X"
 DEFAULT_FIDELITY = "any"
 
 
@@ -60,10 +61,11 @@ class FidelityRule:
 
     @property
     def text(self) -> str:
-        return self.kind if self.kind in ("fp32", "any") else f"{self.kind}={self.bound:g}"
+        return self.kind if self.kind in (REFERENCE_TARGET, "any") else \
+            f"{self.kind}={self.bound:g}"
 
     def describe(self) -> str:
-        return {"fp32": "the fp32 target's output",
+        return {REFERENCE_TARGET: "the fp32 target's output",
                 "any": "any target",
                 "kl": f"mean KL from fp32 at most {self.bound:g} nats",
                 "top1": f"top-1 agreement with fp32 at least {self.bound:.1%}"}[self.kind]
@@ -74,7 +76,7 @@ class FidelityRule:
             return True
         if fidelity is None:
             return False
-        if self.kind == "fp32":
+        if self.kind == REFERENCE_TARGET:
             return fidelity.mean_kl == 0.0 and fidelity.top1 == 1.0
         if self.kind == "kl":
             return fidelity.mean_kl <= self.bound
@@ -85,7 +87,7 @@ def parse_fidelity(text: str | None) -> FidelityRule:
     """`--fidelity` as a FidelityRule (None: DEFAULT_FIDELITY); SpecDecodeError naming the
     value otherwise."""
     value = (text if text is not None else DEFAULT_FIDELITY).strip().lower()
-    if value in ("fp32", "any"):
+    if value in (REFERENCE_TARGET, "any"):
         return FidelityRule(value)
     kind, sep, number = value.partition("=")
     try:
@@ -192,7 +194,8 @@ def reference_summary(analysis: Analysis, batch: int) -> ConfigSummary | None:
     peer = next((s for s in at if s.spec.drafter == "llamacpp-generate"), None)
     if peer is not None:
         return peer
-    return next((s for s in at if s.spec.target == LLAMACPP_TARGET and s.spec.is_plain), None)
+    host = backends.peer_target().name
+    return next((s for s in at if s.spec.target == host and s.spec.is_plain), None)
 
 
 def ratio(analysis: Analysis, mine: ConfigSummary, theirs: ConfigSummary | None,

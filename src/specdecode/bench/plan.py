@@ -184,12 +184,12 @@ def default_configs_text(backend: str = "auto", precision: str = "fp32") -> str:
     default where the kernels build, or bf16/w4a16) a w4a16 copy drafts at about the target's
     own cost, so: plain, the lookup under the controller, and ngram+auto (the lookup, then the
     model draft that measures cheapest for this target at load, or none)."""
-    from specdecode.models.loading import LLAMACPP_NAMES
-    from specdecode.models.precision import is_reference, resolve
+    from specdecode.models import backends
+    from specdecode.models.precision import is_reference
 
-    if backend in LLAMACPP_NAMES:
-        return LLAMACPP_CONFIGS
-    if not is_reference(resolve(precision, backend in ("auto", "native"))):
+    if not backends.is_auto(backend) and backends.get(backend).peer is not None:
+        return LLAMACPP_CONFIGS  # a backend with a peer: its library's own decoding beside
+    if not is_reference(backends.target_precision(backend, precision)):
         return FAST_TARGET_CONFIGS
     items = ["plain", "ngram+w4a16:k=3", "w4a16:k=3"]
     if "ngram" in known_drafters():
@@ -384,7 +384,7 @@ def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: i
     in-process runner; build and check every drafter."""
     import torch
 
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -36,10 +36,14 @@ from specdecode.bench.analysis import (
 )
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec, RequestSample
+from specdecode.drafters.options import INT8_COPY, W4A16_COPY
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DRAFT_MODEL_NAMES = ("draft-model", "draft_model", "draft")
-QUANTIZED_COPIES = {"int8": "an int8 (e.g. W8A8 or GPTQ 8-bit)", "w4a16": "a 4-bit (AWQ or GPTQ)"}
+# the quantized-copy drafters (drafters.options; drafter names, not precisions) as vLLM spells
+# a checkpoint of that kind
+QUANTIZED_COPIES = {INT8_COPY: "an int8 (e.g. W8A8 or GPTQ 8-bit)",
+                    W4A16_COPY: "a 4-bit (AWQ or GPTQ)"}
 
 
 @dataclass

@@ -40,6 +40,7 @@ from specdecode.bench.workloads import Prompt, prompts_from_description
 from specdecode.drafters.options import ALIASES as OPTION_ALIASES
 from specdecode.drafters.options import FLAGS as OPTION_FLAGS
 from specdecode.limits import AUDIT_POWER, AUDIT_REAL_TV
+from specdecode.models import backends, precision
 
 TEMPLATE = "report_template.html.j2"
 DASH = "–"
@@ -531,11 +532,10 @@ def targets_context(analysis: Analysis, recommendation: Recommendation) -> dict[
     details = analysis.results.header.runner.get("details") or {}
     features = details.get("cpu_features") or []
     facts = frontier.target_facts(analysis)
-    bf16 = any(t in facts for t in ("bf16", "w8a16", "w4a16"))
     cpu = ("vector features " + ", ".join(features) if features else "no vector features read")
-    if bf16 and "avx512_bf16" not in features:
-        cpu += ("; no AVX512_BF16, so bf16 products (bf16, w8a16, w4a16 targets and drafters) "
-                "run without bf16 instructions here: their tokens/s below is what that costs")
+    for feature, names in slower_without(list(facts), features).items():
+        cpu += (f"; no {feature.upper()}, which {', '.join(names)} run faster with (targets and "
+                "drafters of that precision): their tokens/s below is what that costs")
     refused = [(c, why) for f in facts.values() for c, why in (f.get("refused") or {}).items()]
     tables = []
     for batch in analysis.batch_sizes:
@@ -597,6 +597,19 @@ def _load_context(analysis: Analysis) -> dict[str, Any]:
             "threshold_cores": interference.threshold_cores(results.header, load.cores)}
 
 
+def slower_without(targets: Sequence[str], features: Sequence[str]) -> dict[str, list[str]]:
+    """The CPU features this CPU lacks that some of `targets` run faster with (their precision
+    records' faster_with), each with those targets."""
+    out: dict[str, list[str]] = {}
+    for name in targets:
+        target = backends.bench_target(name)
+        record = None if target is None else precision.get(target.precision)
+        for feature in () if record is None else record.faster_with:
+            if feature not in features:
+                out.setdefault(feature, []).append(name)
+    return out
+
+
 # the drafter options `specdecode audit` has flags for (cli.args.add_drafter_args; spelled as
 # drafters.options.FLAGS says); it cannot repeat the others
 AUDIT_OPTIONS = ("draft_model", "heads", "distilled", "kmax", "max_step_cost")
@@ -611,9 +624,9 @@ def audit_command(header: RunHeader, spec: ConfigSpec, verdict: AuditVerdict,
     argv = ["specdecode", "audit"]
     if details.get("source"):
         argv += ["--model", str(details["source"])]
-    if spec.target:  # a run of several targets: this configuration's own
-        argv += ["--precision", "fp32" if spec.precision == "gguf" else spec.precision,
-                 "--backend", "llama.cpp" if spec.precision == "gguf" else "native"]
+    target = backends.target_of_precision(spec.precision) if spec.target else None
+    if target is not None:  # a run of several targets: this configuration's own
+        argv += ["--precision", target.precision, "--backend", target.backend.name]
     else:
         argv += ["--precision", header.model.precision]
         if details.get("backend"):

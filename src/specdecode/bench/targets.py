@@ -44,31 +44,35 @@ from specdecode.bench.records import (
 from specdecode.bench.runner import RunnerDescription
 from specdecode.bench.workloads import Prompt
 from specdecode.errors import SpecDecodeError
+from specdecode.models import backends, precision
 from specdecode.models.target import Target
 
-LLAMACPP = "llama.cpp"
-NATIVE_TARGETS = ("fp32", "checkpoint", "bf16", "int8", "w8a16", "w4a16")
-TARGETS = (*NATIVE_TARGETS, LLAMACPP)
-ALIASES = {"llamacpp": LLAMACPP, "gguf": LLAMACPP}
 DEFAULT_TARGET_CONFIGS = "plain;ngram:k=auto;ngram+w4a16:k=auto"
 PEER_NAME = "llama-cpp-python/generate"  # Llama.generate on the same GGUF: the reference
 PEER_DRAFTER = "llamacpp-generate"
-REFERENCE = "fp32"  # agreement is measured against this target
+REFERENCE = precision.REFERENCE.name  # agreement is measured against this target
 AGREEMENT_CHUNK = 8
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+# the CPU's vector features the run header states: those the precisions run faster with
+# (their records' faster_with) among the families that decide a CPU's matrix speed
+CPU_FEATURES = tuple(dict.fromkeys(("avx2", "avx512f", *(f for p in precision.PRECISIONS
+                                                        for f in p.faster_with),
+                                    "amx_bf16", "amx_int8")))
 
 
 # ----------------------------------------------------------------------------------- planning
 
 
 def parse_targets(text: str) -> list[str]:
-    """`--targets` as target names, in the given order; SpecDecodeError naming a bad one."""
-    names = [ALIASES.get(t.strip().lower(), t.strip().lower()) for t in text.split(",")
-             if t.strip()]
-    unknown = [t for t in names if t not in TARGETS]
-    if unknown or not names:
+    """`--targets` as target names (models.backends.bench_targets), in the given order;
+    SpecDecodeError naming a bad one."""
+    given = [t.strip() for t in text.split(",") if t.strip()]
+    found = [backends.bench_target(t) for t in given]
+    unknown = [t for t, target in zip(given, found, strict=True) if target is None]
+    if unknown or not given:
+        known = ", ".join(t.name for t in backends.bench_targets())
         raise SpecDecodeError(f"--targets: unknown target(s) {', '.join(unknown) or '(none)'} "
-                              f"(known: {', '.join(TARGETS)})")
+                              f"(known: {known})")
+    names = [target.name for target in found if target is not None]
     dupes = sorted({t for t in names if names.count(t) > 1})
     if dupes:
         raise SpecDecodeError(f"--targets names {', '.join(dupes)} twice")
@@ -76,8 +80,15 @@ def parse_targets(text: str) -> list[str]:
 
 
 def precision_of(target: str) -> str:
-    """The ConfigSpec precision of a target: the GGUF's own on llama.cpp."""
-    return "gguf" if target == LLAMACPP else target
+    """The ConfigSpec precision of a target (models.backends.BenchTarget)."""
+    return _target(target).precision
+
+
+def _target(name: str) -> backends.BenchTarget:
+    found = backends.bench_target(name)
+    if found is None:
+        raise SpecDecodeError(f"--targets: unknown target {name!r}")
+    return found
 
 
 def skip_reason(target: str, config: ConfigSpec) -> str | None:
@@ -116,8 +127,9 @@ def target_configs(targets: Sequence[str], configs: Sequence[ConfigSpec],
                 out.append(dataclasses.replace(c, name=name, precision=precision_of(target),
                                                target=target, batch_size=batch))
         if peer and batch == 1:
-            out.append(ConfigSpec(PEER_NAME, PEER_DRAFTER, 1, precision="gguf",
-                                  target=LLAMACPP, batch_size=1))
+            host = backends.peer_target()
+            out.append(ConfigSpec(PEER_NAME, PEER_DRAFTER, 1, precision=host.precision,
+                                  target=host.name, batch_size=1))
     return out, skipped
 
 
@@ -143,12 +155,11 @@ def plan_targets(args: argparse.Namespace, batch_sizes: Sequence[int],
     DEFAULT_TARGET_CONFIGS), those left out, and why there is no llama-cpp-python reference
     (None: there is); checked before anything loads."""
     from specdecode.bench.frontier import parse_fidelity
-    from specdecode.models.precision import AUTO
 
     if getattr(args, "endpoint", None):
         raise SpecDecodeError("--targets measures targets in process; --endpoint measures "
                               "servers: use one or the other")
-    if args.precision != AUTO or args.backend != "auto":
+    if not precision.is_auto(args.precision) or not backends.is_auto(args.backend):
         raise SpecDecodeError("--targets names each target's precision and backend (e.g. "
                               "--targets fp32,bf16,w4a16,llama.cpp): leave --precision and "
                               "--backend out")
@@ -159,8 +170,9 @@ def plan_targets(args: argparse.Namespace, batch_sizes: Sequence[int],
         raise SpecDecodeError(f"--targets adds llama-cpp-python's own decoding as the reference "
                               f"itself: leave {', '.join(peers)} out of --configs")
     no_peer = peer_available(args.model)
-    if LLAMACPP in targets and no_peer is not None and "llama_cpp" in no_peer:
-        raise SpecDecodeError(f"--targets {LLAMACPP}: {no_peer}")
+    host = backends.peer_target().name  # its backend's library is the peer's
+    if host in targets and no_peer is not None and "llama_cpp" in no_peer:
+        raise SpecDecodeError(f"--targets {host}: {no_peer}")
     grid, skipped = target_configs(targets, configs, batch_sizes, no_peer is None)
     measured = {g.name for g in grid}
     for c in configs:
@@ -176,12 +188,7 @@ def plan_targets(args: argparse.Namespace, batch_sizes: Sequence[int],
 
 def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     """Which of CPU_FEATURES the CPU has (its first "flags" line)."""
-    try:
-        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return []
-    flags = next((line.partition(":")[2].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
+    flags = precision.cpu_flags(cpuinfo)
     return [f for f in CPU_FEATURES if f in flags]
 
 
@@ -224,13 +231,12 @@ class LoadedTarget:
 def load_target(args: argparse.Namespace, name: str, max_batch: int, make: Any,
                 err: TextIO) -> LoadedTarget:
     """Load `name` and build its runner with `make(loaded)`."""
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     start = time.perf_counter()
-    backend = LLAMACPP if name == LLAMACPP else "native"
+    target = _target(name)
     print(f"specdecode: loading the {name} target", file=err)
-    loaded = load_model(args.model, "fp32" if name == LLAMACPP else name, backend,
-                        max_batch=max_batch)
+    loaded = load_model(args.model, target.precision, target.backend.name, max_batch=max_batch)
     facts = {"backend": loaded.backend, "precision": loaded.precision,
              "weight_bytes": loaded.weight_bytes(), "load_s": time.perf_counter() - start,
              **invariance_facts(loaded.model)}
@@ -326,13 +332,14 @@ def make_targets_runner(args: argparse.Namespace, plan: Any, skipped: dict[str, 
 
     targets = parse_targets(args.targets)
     max_batch = max(c.batch_size for c in plan.configs)
-    wanted = targets + ([LLAMACPP] if no_reference is None and LLAMACPP not in targets else [])
+    host = backends.peer_target().name  # loaded for the peer when it is not a target itself
+    wanted = targets + ([host] if no_reference is None and host not in targets else [])
     loaded = {n: load_target(args, n, max_batch, make, err) for n in wanted}
     reference_model = loaded[REFERENCE].runner.loaded.model if REFERENCE in loaded else None
     if reference_model is None:
-        from specdecode.models.loading import load_model
+        from specdecode.models.backends import load_model
 
-        reference_model = load_model(args.model, REFERENCE, "native").model
+        reference_model = load_model(args.model, REFERENCE, backends.NATIVE.name).model
     tokenizer = next(iter(loaded.values())).runner.loaded.tokenizer
     ids = agreement_ids(tokenizer)
     reference = teacher_forced_logits(reference_model, ids, AGREEMENT_CHUNK)

@@ -19,15 +19,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model and the measurement flags --precision, --backend, --threads: the target every
     model-running command takes, and how it runs (the same on each, so a figure of one command
     can be reproduced with another: `generate` at the threads `bench` measured with)."""
+    from specdecode.models import backends, precision
+
     p.add_argument("--model", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--precision", default="auto",
-                   help="auto | fp32 | checkpoint | bf16 | int8 | w8a16 | w4a16 (default auto: "
-                        "checkpoint where the row-invariant kernels build, else fp32; "
+    p.add_argument("--precision", default=precision.AUTO,
+                   help=f"{' | '.join(precision.CHOICES)} (default auto: "
+                        f"{precision.NATIVE_DEFAULT} where the row-invariant kernels build, else "
+                        f"{precision.REFERENCE.name}; with --backend llama.cpp: the GGUF's own; "
                         "docs/cli.md#precisions)")
-    p.add_argument("--backend", default="auto",
-                   help="auto | native | transformers | llama.cpp (auto: native where the "
-                        "family has one; llama.cpp: the GGUF on llama.cpp, docs/llamacpp.md)")
+    p.add_argument("--backend", default=backends.AUTO,
+                   help=f"{' | '.join(backends.choices())} (auto: native where the family has "
+                        "one, else transformers; llama.cpp: the GGUF on llama.cpp, "
+                        "docs/llamacpp.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads, also llama.cpp's (default: torch's choice; stated in "
                         "bench reports)")

@@ -105,7 +105,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from specdecode.audit import audit_greedy, audit_sampled
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     params = sampling_params(args)
     options = drafter_options(args)

@@ -175,7 +175,7 @@ def check_installed() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_installed()
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
     from specdecode.server.app import create_app
     from specdecode.server.background import bind_socket, uvicorn_server
     from specdecode.server.shutdown import drain

@@ -48,6 +48,7 @@ import torch
 
 from specdecode.acceptance import PAY_MARGIN, expected_tokens
 from specdecode.drafters.base import Drafter, DrafterFactory, native
+from specdecode.drafters.options import INT8_COPY, W4A16_COPY
 from specdecode.errors import SpecDecodeError
 
 MAX_K = 4  # the longest draft the prediction considers (v is measured up to width MAX_K + 1)
@@ -133,25 +134,28 @@ def candidates(target: Any, capacity: int) -> dict[str, _Part | str]:
     def separate(model: Any, name: str) -> _Part:
         return _Part(model, False, lambda: DraftModelDrafter(model, name, capacity))
 
+    w4a16 = W4A16_COPY  # the quantized-copy drafters (drafters.options), not precisions
     out: dict[str, _Part | str] = {}
     try:
-        copy = quantized_copy("w4a16", target)
+        copy = quantized_copy(w4a16, target)
     except SpecDecodeError as exc:
-        out["w4a16"] = f"not measured: {exc}"
+        out[w4a16] = f"not measured: {exc}"
     else:
-        out["w4a16"] = "the target itself: a draft token would cost a whole step" \
-            if copy is target else in_cache(copy, "w4a16")
+        out[w4a16] = "the target itself: a draft token would cost a whole step" \
+            if copy is target else in_cache(copy, w4a16)
         for fraction in VOCAB_FRACTIONS:
             size = max(1, int(target.cfg.vocab_size) // fraction)
-            out[f"w4a16:draft_vocab={size}"] = in_cache(with_draft_head(copy, size), "w4a16")
-    for name, load in (("int8", lambda: quantized_copy("int8", target)),
-                       ("distilled", lambda: load_distilled(DEFAULT_DIR, target))):
+            out[f"{w4a16}:draft_vocab={size}"] = in_cache(with_draft_head(copy, size), w4a16)
+    others: tuple[tuple[str, Callable[[], Any], Callable[[Any, str], _Part]], ...] = (
+        (INT8_COPY, lambda: quantized_copy(INT8_COPY, target), in_cache),
+        ("distilled", lambda: load_distilled(DEFAULT_DIR, target), separate))
+    for name, load, part in others:
         try:
             model = load()
         except SpecDecodeError as exc:
             out[name] = f"not measured: {exc}"
         else:
-            out[name] = in_cache(model, name) if name == "int8" else separate(model, name)
+            out[name] = part(model, name)
     return out
 
 

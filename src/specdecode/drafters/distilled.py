@@ -143,8 +143,11 @@ def head_weight(target: LlamaModel) -> torch.Tensor:
 
 def initial_weights(target: LlamaModel, layout: DraftLayout) -> dict[str, torch.Tensor]:
     """The draft's own weights before training: copies of the target's chosen blocks and norm."""
-    if target.precision != "fp32":
-        raise SpecDecodeError("a draft is initialised from an fp32 target (--precision fp32)")
+    from specdecode.models.precision import REFERENCE, is_reference
+
+    if not is_reference(target.precision):
+        raise SpecDecodeError(f"a draft is initialised from an {REFERENCE.name} target "
+                              f"(--precision {REFERENCE.name})")
     state = target.state_dict()
     out = {"norm": state["norm"].detach().clone()}
     for j, i in enumerate(layout.layers_from):

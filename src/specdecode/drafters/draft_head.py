@@ -28,6 +28,7 @@ from torch import nn
 from specdecode.drafters.distilled import SubsetHead
 from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
+from specdecode.models.logits_for import is_none, logit_positions
 
 if TYPE_CHECKING:
     from specdecode.models.config import ModelConfig
@@ -115,13 +116,10 @@ class WithHead(nn.Module):
         hidden = self.model(tokens, cache, positions, tree_mask, num_new, "all", layers, True)
         if return_hidden:
             return hidden
-        if isinstance(logits_for, torch.Tensor):
-            hidden = hidden[:, logits_for]
-        elif logits_for == "last":
-            hidden = hidden[:, -1:]
-        elif logits_for == "none":
+        wanted = logit_positions(logits_for)
+        if is_none(wanted):
             return hidden[:, :0, :0]
-        return self.head(hidden)
+        return self.head(hidden[:, wanted])
 
 
 def with_draft_head(model: Target, vocab: int | None) -> Target:

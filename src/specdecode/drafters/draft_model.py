@@ -213,18 +213,14 @@ class DraftModelDrafter(Drafter):
 
 
 def quantized_copy(name: str, target: LlamaModel) -> LlamaModel:
-    """The target's int8 or w4a16 copy (4-bit blocks, int8 ends; the target's norms shared,
-    unchanged). A w4a16 target is its own w4a16 copy, held once: re-quantizing its
-    de-quantized weights need not give back the same codes."""
-    import copy
+    """The copy of the target that quantized-copy drafter `name` (drafters.options
+    .QUANTIZED_COPIES: int8 or w4a16) drafts with, at that drafter's precision; the target's
+    norms shared, unchanged (models.precision.copy_at: a target already at that precision is
+    its own copy, held once)."""
+    from specdecode.drafters.options import QUANTIZED_COPIES
+    from specdecode.models.precision import copy_at
 
-    from specdecode.models.precision import apply_precision, quantize_int8
-
-    if name == "int8":
-        return quantize_int8(copy.deepcopy(target))  # type: ignore[no-any-return]
-    if target.precision == "w4a16":
-        return target
-    return apply_precision(target, "w4a16")  # type: ignore[no-any-return]
+    return copy_at(target, QUANTIZED_COPIES[name])  # type: ignore[no-any-return]
 
 
 def with_siblings(drafter: Drafter, name: str) -> DraftModelDrafter:

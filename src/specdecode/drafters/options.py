@@ -33,10 +33,18 @@ DEFAULT_KMAX = 8  # the most the controller may draft under k = "auto" (--kmax's
 PREFIX = "ngram+"  # a hybrid's name: its lookup (this, or SUFFIX_PREFIX), then its model's
 SUFFIX_PREFIX = "suffix+"  # the lookup is drafters.suffix (token trees, earlier requests too)
 TREE_SUFFIX = "-tree"
-TREE_MODELS = ("w4a16", "int8", "distilled", "draft-model")
+# Drafters spelled like precisions: "int8" and "w4a16" are DRAFTERS, the target's copy at that
+# precision drafting in the target's cache (drafters.draft_model.quantized_copy; a w4a16 copy
+# drafts for a target of any precision), not the precisions of models.precision. Code compares
+# these drafter names through the constants, never as precision names; QUANTIZED_COPIES gives
+# each one's precision.
+INT8_COPY = "int8"
+W4A16_COPY = "w4a16"
+QUANTIZED_COPIES = {INT8_COPY: "int8", W4A16_COPY: "w4a16"}  # drafter -> its copy's precision
+TREE_MODELS = (W4A16_COPY, INT8_COPY, "distilled", "draft-model")
 # "auto": the model part chosen at load by measured cost and acceptance (drafters.auto)
 AUTO = "auto"
-HYBRID_MODELS = ("w4a16", "int8", "distilled", "draft-model", "layerskip", AUTO)
+HYBRID_MODELS = (W4A16_COPY, INT8_COPY, "distilled", "draft-model", "layerskip", AUTO)
 
 _LOOKUP = ("ngram_max", "ngram_min")
 # The options each single drafter reads (k, kmax and max_step_cost are the engine's: every
@@ -44,8 +52,8 @@ _LOOKUP = ("ngram_max", "ngram_min")
 USES: dict[str, tuple[str, ...]] = {
     "none": (),
     "draft-model": ("draft_model",),
-    "int8": ("draft_vocab",),
-    "w4a16": ("draft_vocab",),
+    INT8_COPY: ("draft_vocab",),
+    W4A16_COPY: ("draft_vocab",),
     "ngram": _LOOKUP,
     "layerskip": ("layers", "draft_vocab"),
     "heads": ("heads",),

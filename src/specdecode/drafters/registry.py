@@ -15,6 +15,7 @@ from specdecode.drafters.base import DrafterFactory, native
 from specdecode.drafters.options import (
     AUTO,
     DRAFTERS,
+    QUANTIZED_COPIES,
     DrafterOptions,
     lookup_part,
     model_part,
@@ -142,7 +143,7 @@ def _factory(opts: DrafterOptions, target: Target, capacity: int, tokenizer: Tok
         return _heads(target, opts.heads, capacity)
     if name == "distilled":
         return _distilled(target, opts.distilled, capacity)
-    if name in ("int8", "w4a16"):
+    if name in QUANTIZED_COPIES:  # drafters named like precisions (drafters.options)
         return _quantized_copy(name, target, capacity, opts.draft_vocab)
     assert opts.draft_model is not None  # DrafterOptions.check: both need one
     if name == "draft-model":
@@ -257,7 +258,7 @@ def _quantized_copy(name: str, target: Target, capacity: int, draft_vocab: int |
 def _draft_model(target: Target, draft_model: str, capacity: int,
                  tokenizer: Tokenizer | None) -> DrafterFactory:
     from specdecode.drafters.draft_model import DraftModelDrafter, check_tokenizer, check_vocab
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     gguf_target = llamacpp_target(target)  # on llama.cpp, a GGUF draft runs there too
     if gguf_target is not None and draft_model.endswith(".gguf"):

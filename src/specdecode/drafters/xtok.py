@@ -218,7 +218,7 @@ def xtok_factory(
     maker of per-request drafters sharing it."""
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.errors import SpecDecodeError
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     if target_tok is None:
         raise SpecDecodeError("--drafter xtok needs the target's tokenizer")

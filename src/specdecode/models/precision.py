@@ -28,13 +28,18 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
-from torch import nn
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models import kernels, linears
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# This module imports neither torch nor the kernels at import time: the command line builds its
+# help from these records before anything heavy loads. The matrix classes are reached through
+# _linears() when a model is built.
 
 # The front ends' default: resolved per backend (models.backends): "checkpoint" on the native
 # runner where the row-invariant kernels build (the checkpoint's own weights, bit for bit, at the
@@ -51,8 +56,21 @@ Fidelity = Literal["reference", "checkpoint", "rounded", "quantized"]
 # A precision's matrix and ends, as the native runner builds them: matrix(weight, bias, exact)
 # and ends(head, embedding, tied, exact) -> (LM head, embedding); `exact`: on the row-invariant
 # kernels.
-Matrix = Callable[[torch.Tensor, torch.Tensor | None, bool], nn.Module]
-Ends = Callable[[torch.Tensor, torch.Tensor, bool, bool], tuple[nn.Module, nn.Module]]
+Matrix: TypeAlias = "Callable[[torch.Tensor, torch.Tensor | None, bool], nn.Module]"
+Ends: TypeAlias = "Callable[[torch.Tensor, torch.Tensor, bool, bool], tuple[nn.Module, nn.Module]]"
+GROUP = 32  # inputs per group of the grouped formats (models.linears.GROUP, kernels.GROUP)
+
+
+def _linears() -> ModuleType:
+    from specdecode.models import linears
+
+    return linears
+
+
+def _kernels() -> ModuleType:
+    from specdecode.models import kernels
+
+    return kernels
 
 
 # ------------------------------------------------------------------------- the build and the CPU
@@ -80,20 +98,24 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
 
 
 def quantized_engines() -> list[str]:
+    import torch
+
     return list(torch.backends.quantized.supported_engines)
 
 
 def weight_only_kernels() -> list[str]:
     """The weight-only kernels this build has and can run (a tiny product each)."""
+    import torch
+
     found = []
     try:
-        x = torch.ones(1, linears.GROUP, dtype=torch.bfloat16)
-        q = torch.ones(16, linears.GROUP, dtype=torch.int8)
+        x = torch.ones(1, GROUP, dtype=torch.bfloat16)
+        q = torch.ones(16, GROUP, dtype=torch.int8)
         torch._weight_int8pack_mm(x, q, torch.ones(16, dtype=torch.bfloat16))
         found.append("_weight_int8pack_mm")
         packed = torch._convert_weight_to_int4pack_for_cpu(q.int(), 1)
         sz = torch.ones(1, 16, 2, dtype=torch.bfloat16)
-        torch._weight_int4pack_mm_for_cpu(x, packed, linears.GROUP, sz)
+        torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
         found.append("_weight_int4pack_mm_for_cpu")
     except (AttributeError, RuntimeError, NotImplementedError):
         pass
@@ -110,12 +132,14 @@ class Requirement:
 
 
 def _kernels_missing() -> str | None:
-    error = kernels.build_error()
+    error = _kernels().build_error()
     return None if error is None else f"it needs the row-invariant kernels ({error})"
 
 
 def _fbgemm_missing(ops: tuple[str, ...]) -> Callable[[], str | None]:
     def missing() -> str | None:
+        import torch
+
         engines = quantized_engines()
         has_fbgemm = "fbgemm" in engines or "x86" in engines
         has_ops = all(hasattr(torch.ops.quantized, op) for op in ops)
@@ -280,30 +304,35 @@ PRECISIONS: tuple[Precision, ...] = (
         "checkpoint", "every matrix in the smallest panels holding the checkpoint's weights bit "
                       "for bit (GGUF Q4_1 blocks, Q8_0 groups, else fp32), inputs not rounded",
         (Q4_1, I8_GROUP, F32), (ROW_INVARIANT,), _INVARIANT_KERNELS, "checkpoint", NATIVE,
-        linears.checkpoint_matrix, linears.checkpoint_ends, (ROW_INVARIANT_KERNELS,),
+        lambda w, b, exact: _linears().checkpoint_matrix(w, b, exact),
+        lambda *ends: _linears().checkpoint_ends(*ends), (ROW_INVARIANT_KERNELS,),
         reference_weights=True),
     Precision(
         "bf16", "weights rounded to bf16, fp32 activations and accumulation", (BF16,),
-        (ROW_INVARIANT, TORCH_FP16), _INVARIANT_KERNELS, "rounded", NATIVE, linears.Fp16Linear,
-        linears.bf16_ends, (FBGEMM_FP16,), faster_with=("avx512_bf16",)),
+        (ROW_INVARIANT, TORCH_FP16), _INVARIANT_KERNELS, "rounded", NATIVE,
+        lambda w, b, exact: _linears().Fp16Linear(w, b, exact),
+        lambda *ends: _linears().bf16_ends(*ends), (FBGEMM_FP16,), faster_with=("avx512_bf16",)),
     Precision(
         "int8", "int8 weights per output channel, each call's activations quantized with one "
                 "scale (7-bit on AVX2); a plain-decoding target and a drafter",
         (I8_ROW,), (TORCH_INT8_DYNAMIC,),
         "its kernels quantize each call's activations with one scale, so a position scored "
         "with draft tokens gets different logits than scored alone", "quantized", NATIVE,
-        linears.Int8DynamicLinear, linears.int8_ends, (FBGEMM_INT8,), faster_with=("avx512_vnni",),
+        lambda w, b, exact: _linears().Int8DynamicLinear(w, b, exact),
+        lambda *ends: _linears().int8_ends(*ends), (FBGEMM_INT8,), faster_with=("avx512_vnni",),
         rows_independent=False),
     Precision(
         "w8a16", "int8 weights per output channel (bf16 scale), activations rounded to bf16",
         (I8_ROW, I8_GROUP, BF16), (ROW_INVARIANT, TORCH_W8), _INVARIANT_KERNELS, "rounded",
-        NATIVE, linears.W8A16Linear, linears.weight_only_ends, (INT8PACK, BF16_HEAD),
+        NATIVE, lambda w, b, exact: _linears().W8A16Linear(w, b, exact),
+        lambda *ends: _linears().weight_only_ends(*ends), (INT8PACK, BF16_HEAD),
         faster_with=("avx512_bf16",)),
     Precision(
         "w4a16", "4-bit weights per group of 32 inputs (a GGUF's Q4_1 blocks kept where the "
                  "kernels build), activations rounded to bf16",
         (I4_GROUP, Q4_1, I8_GROUP, BF16), (ROW_INVARIANT, TORCH_W4), _INVARIANT_KERNELS,
-        "rounded", NATIVE, linears.W4A16Linear, linears.weight_only_ends, (INT4PACK, BF16_HEAD),
+        "rounded", NATIVE, lambda w, b, exact: _linears().W4A16Linear(w, b, exact),
+        lambda *ends: _linears().weight_only_ends(*ends), (INT4PACK, BF16_HEAD),
         faster_with=("avx512_bf16",)),
     Precision(
         "gguf", "the GGUF's own quantization, run by llama.cpp", (GGUF,), (GGML,),
@@ -350,6 +379,11 @@ def speculative_names() -> tuple[str, ...]:
     return tuple(p.name for p in of_backend(NATIVE) if p.row_invariant)
 
 
+def is_auto(name: str) -> bool:
+    """Whether --precision `name` leaves the choice to the backend (models.backends)."""
+    return name == AUTO
+
+
 def is_reference(name: str) -> bool:
     """Whether `name` is the reference precision (what fidelity is measured against)."""
     return name == REFERENCE.name
@@ -360,6 +394,8 @@ def check_supported(precision: str) -> None:
     why = get(precision).missing()
     if why is None:
         return
+    import torch
+
     works = [p.name for p in of_backend(NATIVE) if p.name != precision and p.missing() is None]
     raise SpecDecodeError(
         f"precision {precision} is not supported on this CPU/build ({cpu_name()}, PyTorch "
@@ -373,13 +409,13 @@ NATIVE_DEFAULT = "checkpoint"  # "auto" on the native runner where the row-invar
 def native_default() -> str:
     """What "auto" means on the native runner: checkpoint where the row-invariant kernels build
     (fp32's logits at a tenth of its memory and a fraction of its step), else the reference."""
-    return NATIVE_DEFAULT if kernels.available() else REFERENCE.name
+    return NATIVE_DEFAULT if _kernels().available() else REFERENCE.name
 
 
 def resolve(precision: str, native: bool) -> str:
     """The precision `precision` names: "auto" is native_default() on the native runner, else
     the reference; any other name is itself."""
-    if precision != AUTO:
+    if not is_auto(precision):
         return precision
     return native_default() if native else REFERENCE.name
 
@@ -398,6 +434,13 @@ def apply_precision(model: Any, precision: str) -> Any:
                               f"backend (it supports: {REFERENCE.name})")
     check_supported(record.name)
     return model.with_precision(record.name)
+
+
+def copy_at(model: Any, precision: str) -> Any:
+    """A native `model` at `precision` for drafting: `model` itself where it already runs at it
+    (held once: re-quantizing de-quantized weights need not give back the same codes), else
+    apply_precision's copy."""
+    return model if get(model.precision) is get(precision) else apply_precision(model, precision)
 
 
 def quantize_int8(model: Any) -> Any:

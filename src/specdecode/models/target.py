@@ -5,15 +5,17 @@ declared here as attributes, never found out by asking for its name.
 
 Implemented by the native runner (models.llama.LlamaModel, models.cache.KVCache), the llama.cpp
 backend (models.llamacpp) and the transformers adapter (models.hf_adapter). A new backend (a GPU
-runner, another library) implements both protocols and `models.loading` loads it; nothing outside
-`models/` and the drafter registry needs to know its name.
+runner, another library) implements both protocols and adds its record to `models.backends` (how
+it loads, the precisions it takes, its names in bench and the report); nothing outside `models/`
+needs to know its name.
 
 The scoring contract (`Target.__call__`): row b of `tokens` (B, T) holds its num_new[b] new tokens
 (all T by default) at positions cache.lengths[b]..., or at `positions` (B, T) when given; their
 keys and values are written into the cache at the row's length, which then advances by
 num_new[b]; the logits (B, T', V) are returned for the positions asked (`logits_for`: "all",
-"last", "none", or indices into T). Rolling back a rejected draft is `Cache.rollback` (moving a
-length, never a copy); keeping a token tree's accepted path is `Cache.keep`.
+"last", "none", or indices into T; models.logits_for decodes it for every backend). Rolling
+back a rejected draft is `Cache.rollback` (moving a length, never a copy); keeping a token
+tree's accepted path is `Cache.keep`.
 """
 
 from __future__ import annotations

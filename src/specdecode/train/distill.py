@@ -373,7 +373,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

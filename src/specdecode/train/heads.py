@@ -398,7 +398,7 @@ def add_heads_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_heads(args: argparse.Namespace) -> int:
-    from specdecode.models.loading import load_model
+    from specdecode.models.backends import NATIVE, load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -407,7 +407,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         d, steps=args.steps or d.steps, train_tokens=args.tokens, seq_len=args.seq_len,
         batch=args.batch, lr=args.lr, draft_vocab=args.draft_vocab,
         checkpoint_every=args.checkpoint_every, seed=args.seed)
-    loaded = load_model(args.model, args.precision, "native")
+    loaded = load_model(args.model, args.precision, NATIVE.name)
     recipe = "specdecode " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train"] else \
         "specdecode train heads " + shlex.join(_argv_of(args))
     result = train_heads(loaded, args.corpus, cfg, Path(args.out), args.resume, True, recipe)
