@@ -8,49 +8,90 @@
  * decoding token-identical to plain decoding (docs/design.md, guarantee 1).
  *
  * The rules that make it so:
- * - products: y[m][n] accumulates w[k][n] x[m][k] for k = 0, 1, ... with one fused multiply-add
- *   each, in input order, for every row count; rows are blocked for speed, but a block only
- *   shares the loads of the weights, never a sum; threads split the output columns;
- *   quantized weights are summed per group of inputs and scaled at the group's end, again in
- *   one fixed order;
+ * - products: vector lanes are output columns, never inputs, so a column's arithmetic is the
+ *   same scalar sequence whatever the vector width (scalar, AVX2, AVX-512 builds agree bit for
+ *   bit). Float kinds: y[m][n] accumulates w[k][n] x[m][k] for k = 0, 1, ... with one fused
+ *   multiply-add each, in input order, for every row count; grouped kinds sum each group of
+ *   inputs from 0 and fold it into y at the group's end, in group order. Rows are blocked for
+ *   speed, but a block only shares the loads and decoding of the weights, never a sum; threads
+ *   split the output columns.
+ * - integer-activation kinds (Q4, Q8: the "a8" precisions): each row's inputs are rounded to
+ *   int8 per block of 32 (one scale per block, by one scalar routine in every build); a group's
+ *   products are summed in int32, which is exact whatever the order or the instruction (VNNI's
+ *   dot products, AVX2's pairwise sums, scalar loops agree), then folded into y in fp32 in group
+ *   order as above.
  * - attention: per query row and head, the scores of the attended keys in slot order, their
  *   maximum, then the exponentials summed and the values accumulated in slot order; a key that
- *   is masked out is skipped, never added as a zero;
+ *   is masked out is skipped, never added as a zero. Dot products over the head dimension use
+ *   eight partial sums and one fixed tree, in every build.
  * - norms and activations: per row, fixed-order sums.
  * Compiled with -ffp-contract=off, so the compiler fuses nothing on its own: every fused
  * multiply-add is written out, the same in the vector and the scalar code.
  *
+ * The same source is compiled once per instruction set (models.kernels picks the best one the
+ * CPU runs, after trying it in a child process): SD_ISA 0 scalar, 2 AVX2+FMA, 3 AVX-512
+ * (F/BW/VL/DQ), with __AVX512VNNI__ for VNNI dot products in the integer kinds.
+ *
  * sd_block runs a whole transformer block in one call (one OpenMP region, phases separated by
- * barriers): a plain decoding step is then 30 calls instead of ~700 small PyTorch operators.
+ * barriers); sd_forward runs every block, the final norm and the LM head in one call.
+ * Functions that allocate return 0, or SD_ENOMEM when an allocation failed (nothing written).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #include <immintrin.h>
-#define SD_AVX2 1
+#define SD_ISA 3
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SD_ISA 2
 #else
-#define SD_AVX2 0
+#define SD_ISA 0
+#endif
+#if SD_ISA == 3 && defined(__AVX512VNNI__)
+#define SD_VNNI 1
+#else
+#define SD_VNNI 0
 #endif
 
-#define PANEL 16   /* output columns per packed panel */
-#define ROWS 6     /* rows sharing one pass over a panel (a register block) */
-#define CHUNK 64   /* rows whose inputs stay in cache while every panel passes over them */
-#define GROUP 32   /* inputs per scale of the 4-bit format */
+#define SD_ABI 2           /* bumped whenever a struct or a signature below changes */
+#define PANEL 16           /* output columns per packed panel */
+#define CHUNK 64           /* rows whose inputs stay in cache while every panel passes over them */
+#define QBLOCK 32          /* inputs per int8 scale of the a8 kinds' activations */
+#define MAX_HEAD_DIM 512   /* the per-row RoPE buffer */
+#define SD_ENOMEM 1
 #define SD_INLINE static inline __attribute__((always_inline))
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4 };
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND_Q4 = 5, KIND_Q8 = 6 };
 #define GROUPED(kind) ((kind) == KIND_I4 || (kind) == KIND_I8G)
+#define QUANT(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q8)
+
+#if SD_ISA == 3
+#define ROWS 12    /* rows sharing one pass over a panel (a register block) */
+#define NPMAX 8    /* panels one row keeps in flight */
+#elif SD_ISA == 2
+#define ROWS 6
+#define NPMAX 4
+#else
+#define ROWS 6
+#define NPMAX 4
+#endif
 
 /* A weight matrix (N outputs, K inputs) in panels of PANEL output columns.
  * F32 / BF16: panel p holds W[p*16 + c][k] at [(p*K + k)*16 + c].
  * I8: int8 codes likewise; scale[p*16 + c] per output column: w = code * scale.
  * I4: codes 0..15, byte [(p*K + k)*8 + c] = code of column c | code of column c + 8 << 4;
- *     scale, zero at [(p*(K/32) + g)*16 + c] for input group g: w = code * scale + zero.
- * I8G: int8 codes as I8, a scale per output column and group of 32 inputs (as I4's, no zero):
- *     w = code * scale (GGUF's Q8_0 blocks, which such a matrix reproduces exactly). */
+ *     scale, zero at [(p*(K/G) + g)*16 + c] for input group g of G = `group` inputs:
+ *     w = code * scale + zero.
+ * I8G: int8 codes as I8, a scale (and, if `zero` is set, a zero) per output column and group,
+ *     laid out as I4's: w = code * scale (+ zero) (GGUF's Q8_0, Q5_x and Q6_K blocks).
+ * Q8 (a8): byte codes, quad i of inputs 4i..4i+3 of panel p at [((p*(K/4) + i)*16 + c)*4 + j]
+ *     for input 4i + j: w = (code - offset) * scale (+ zero), scale/zero per group as I4's.
+ * Q4 (a8): 4-bit codes, octet i of inputs 8i..8i+7 at byte [((p*(K/8) + i)*16 + c)*4 + j]:
+ *     input 8i + j in the low nibble, 8i + 4 + j in the high one; w = (code - offset) * scale
+ *     (+ zero). */
 typedef struct {
     const void *w;
     const float *scale;
@@ -59,9 +100,25 @@ typedef struct {
     int64_t n, k;
     int32_t kind;
     int32_t round_x; /* round the inputs to bf16 first (the "a16" precisions) */
+    int32_t group;   /* inputs per scale of the grouped and a8 kinds: 16 or 32 */
+    int32_t offset;  /* a8 kinds: the codes' offset */
 } sd_mat;
 
-int sd_has_avx2(void) { return SD_AVX2; }
+int sd_abi(void) { return SD_ABI; }
+
+int sd_isa(void) { return SD_ISA * 10 + SD_VNNI; }
+
+int sd_has_avx2(void) { return SD_ISA >= 2; }
+
+/* The constants Python must agree with, checked at load (models.kernels). */
+void sd_constants(int64_t *out) {
+    out[0] = SD_ABI;
+    out[1] = PANEL;
+    out[2] = CHUNK;
+    out[3] = QBLOCK;
+    out[4] = MAX_HEAD_DIM;
+    out[5] = (int64_t)sizeof(sd_mat);
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -80,166 +137,189 @@ static inline float round_bf16(float f) { /* round to nearest even, as torch's .
     return f;
 }
 
-/* ---- products ---------------------------------------------------------------------------- */
+/* ---- 16 output columns as one value: the only place the instruction sets differ ---------- */
 
-#if SD_AVX2
-/* Input k of panel p as two vectors of 8 floats: the weights (F32, BF16) or the integer codes
- * (I8, I4: scaled later, see below). */
-SD_INLINE void decode_k(const sd_mat *m, int kind, int64_t p, int64_t k, __m256 *w0,
-                        __m256 *w1) {
+#if SD_ISA == 3
+typedef __m512 v16;
+SD_INLINE v16 v_zero(void) { return _mm512_setzero_ps(); }
+SD_INLINE v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+SD_INLINE void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+SD_INLINE v16 v_set1(float f) { return _mm512_set1_ps(f); }
+SD_INLINE v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+SD_INLINE v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+SD_INLINE v16 v_bf16(const uint16_t *q) {
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)q));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+SD_INLINE v16 v_i8(const int8_t *q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+}
+SD_INLINE v16 v_u4(const uint8_t *q) { /* 8 bytes: lanes 0-7 the low nibbles, 8-15 the high */
+    __m128i b = _mm_loadl_epi64((const __m128i *)q), f = _mm_set1_epi8(0xf);
+    __m128i both = _mm_unpacklo_epi64(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
+}
+#elif SD_ISA == 2
+typedef struct { __m256 a, b; } v16;
+SD_INLINE v16 v_zero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+SD_INLINE v16 v_load(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+SD_INLINE void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+SD_INLINE v16 v_set1(float f) { v16 r = {_mm256_set1_ps(f), _mm256_set1_ps(f)}; return r; }
+SD_INLINE v16 v_fma(v16 x, v16 y, v16 c) {
+    v16 r = {_mm256_fmadd_ps(x.a, y.a, c.a), _mm256_fmadd_ps(x.b, y.b, c.b)};
+    return r;
+}
+SD_INLINE v16 v_mul(v16 x, v16 y) { v16 r = {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; return r; }
+SD_INLINE v16 v_bf16(const uint16_t *q) {
+    __m128i lo = _mm_loadu_si128((const __m128i *)q), hi = _mm_loadu_si128((const __m128i *)(q + 8));
+    v16 r = {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
+             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16))};
+    return r;
+}
+SD_INLINE v16 v_i8(const int8_t *q) {
+    __m128i b = _mm_loadu_si128((const __m128i *)q);
+    v16 r = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)))};
+    return r;
+}
+SD_INLINE v16 v_u4(const uint8_t *q) {
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    v16 r = {_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(0xf))),
+             _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4))};
+    return r;
+}
+#else
+typedef struct { float f[PANEL]; } v16;
+SD_INLINE v16 v_zero(void) { v16 r; memset(&r, 0, sizeof r); return r; }
+SD_INLINE v16 v_load(const float *p) { v16 r; memcpy(r.f, p, sizeof r.f); return r; }
+SD_INLINE void v_store(float *p, v16 v) { memcpy(p, v.f, sizeof v.f); }
+SD_INLINE v16 v_set1(float f) { v16 r; for (int c = 0; c < PANEL; c++) r.f[c] = f; return r; }
+SD_INLINE v16 v_fma(v16 x, v16 y, v16 acc) {
+    for (int c = 0; c < PANEL; c++) acc.f[c] = fmaf(x.f[c], y.f[c], acc.f[c]);
+    return acc;
+}
+SD_INLINE v16 v_mul(v16 x, v16 y) { for (int c = 0; c < PANEL; c++) x.f[c] *= y.f[c]; return x; }
+SD_INLINE v16 v_bf16(const uint16_t *q) { v16 r; for (int c = 0; c < PANEL; c++) r.f[c] = bf16_to_f32(q[c]); return r; }
+SD_INLINE v16 v_i8(const int8_t *q) { v16 r; for (int c = 0; c < PANEL; c++) r.f[c] = (float)q[c]; return r; }
+SD_INLINE v16 v_u4(const uint8_t *q) {
+    v16 r;
+    for (int c = 0; c < 8; c++) { r.f[c] = (float)(q[c] & 0xf); r.f[c + 8] = (float)(q[c] >> 4); }
+    return r;
+}
+#endif
+
+/* ---- products of the float-activation kinds ---------------------------------------------- */
+
+/* Input k of panel p: the weights (F32, BF16) or the integer codes (I8, I4, I8G: scaled later). */
+SD_INLINE v16 decode_k(const sd_mat *m, int kind, int64_t p, int64_t k) {
     int64_t K = m->k;
     switch (kind) {
-    case KIND_F32: {
-        const float *q = (const float *)m->w + (p * K + k) * PANEL;
-        *w0 = _mm256_loadu_ps(q);
-        *w1 = _mm256_loadu_ps(q + 8);
-        return;
-    }
-    case KIND_BF16: {
-        const uint16_t *q = (const uint16_t *)m->w + (p * K + k) * PANEL;
-        __m128i lo = _mm_loadu_si128((const __m128i *)q);
-        __m128i hi = _mm_loadu_si128((const __m128i *)(q + 8));
-        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
-        *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
-        return;
-    }
+    case KIND_F32: return v_load((const float *)m->w + (p * K + k) * PANEL);
+    case KIND_BF16: return v_bf16((const uint16_t *)m->w + (p * K + k) * PANEL);
     case KIND_I8:
-    case KIND_I8G: {
-        __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)m->w + (p * K + k) * PANEL));
-        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
-        return;
-    }
-    default: {
-        const uint8_t *q = (const uint8_t *)m->w + (p * K + k) * (PANEL / 2);
-        __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-        *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(0xf)));
-        *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
-        return;
-    }
+    case KIND_I8G: return v_i8((const int8_t *)m->w + (p * K + k) * PANEL);
+    default: return v_u4((const uint8_t *)m->w + (p * K + k) * (PANEL / 2));
     }
 }
 
-/* The arithmetic, the same on both paths below (and in the scalar code):
+/* The arithmetic, the same on every path below:
  * F32, BF16: y = sum_k x[k] w[k], one fused multiply-add per k in order, from 0.
  * I8: a = sum_k x[k] code[k] likewise, then y = a * scale.
- * I4: per group g of 32 inputs, a_g = sum x[k] code[k] (from 0), then
- *     y = (y + a_g * scale_g) + xs_g * zero_g (two fused multiply-adds), y from 0. */
-SD_INLINE int64_t span_of(const sd_mat *m, int kind) { return GROUPED(kind) ? GROUP : m->k; }
+ * I4, I8G: per group g, a_g = sum x[k] code[k] (from 0), then y = y + a_g * scale_g, and with
+ *     zeros y = (y + a_g * scale_g) + xs_g * zero_g (two fused multiply-adds), y from 0, where
+ *     xs_g is the group's plain sum of the inputs. */
+SD_INLINE int64_t span_of(const sd_mat *m, int kind) { return GROUPED(kind) ? m->group : m->k; }
 
-SD_INLINE void fold_group(const sd_mat *m, int kind, int64_t p, int64_t g, __m256 a0,
-                          __m256 a1, float sx, float *y) {
-    int64_t G = m->k / GROUP;
-    const float *sc = m->scale + (p * G + g) * PANEL, *ze = m->zero + (p * G + g) * PANEL;
-    if (kind == KIND_I8G) { /* y = y + a_g * scale_g */
-        _mm256_storeu_ps(y, _mm256_fmadd_ps(a0, _mm256_loadu_ps(sc), _mm256_loadu_ps(y)));
-        _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(a1, _mm256_loadu_ps(sc + 8),
-                                                _mm256_loadu_ps(y + 8)));
-        return;
-    }
-    __m256 b = _mm256_set1_ps(sx);
-    _mm256_storeu_ps(y, _mm256_fmadd_ps(b, _mm256_loadu_ps(ze),
-                                        _mm256_fmadd_ps(a0, _mm256_loadu_ps(sc), _mm256_loadu_ps(y))));
-    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(b, _mm256_loadu_ps(ze + 8),
-                                            _mm256_fmadd_ps(a1, _mm256_loadu_ps(sc + 8),
-                                                            _mm256_loadu_ps(y + 8))));
+SD_INLINE v16 fold_group(const sd_mat *m, int64_t p, int64_t g, v16 a, float sx, v16 y) {
+    int64_t G = m->k / m->group;
+    y = v_fma(a, v_load(m->scale + (p * G + g) * PANEL), y);
+    if (m->zero) y = v_fma(v_set1(sx), v_load(m->zero + (p * G + g) * PANEL), y);
+    return y;
 }
 
-SD_INLINE void finish(const sd_mat *m, int kind, int64_t p, __m256 a0, __m256 a1, float *y) {
-    if (kind == KIND_I8) {
-        a0 = _mm256_mul_ps(a0, _mm256_loadu_ps(m->scale + p * PANEL));
-        a1 = _mm256_mul_ps(a1, _mm256_loadu_ps(m->scale + p * PANEL + 8));
-    }
-    _mm256_storeu_ps(y, a0);
-    _mm256_storeu_ps(y + 8, a1);
+SD_INLINE v16 finish(const sd_mat *m, int kind, int64_t p, v16 a) {
+    return kind == KIND_I8 ? v_mul(a, v_load(m->scale + p * PANEL)) : a;
 }
 
-/* R rows (1..ROWS) against NP consecutive panels (1..4), both constants after inlining, weights
- * decoded straight into registers; out[j][r] receives panel p + j's row r. One row keeps eight
- * independent sums in flight over four panels, two rows over two: a single panel's two sums per
- * row would wait on the fused multiply-add's latency at every input. */
+/* R rows against NP consecutive panels, both constants after inlining, weights decoded straight
+ * into registers; out[j][r] receives panel p + j's row r. One row keeps NP independent sums in
+ * flight: a single panel's sum would wait on the fused multiply-add's latency at every input. */
 SD_INLINE void panel_direct(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
                             const sd_mat *m, int kind, int64_t p, int NP, int R,
                             float out[][CHUNK][PANEL]) {
     int64_t span = span_of(m, kind), K = m->k;
-    __m256 a[ROWS][8];
+    v16 a[ROWS][NPMAX], y[ROWS][NPMAX];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < 2 * NP; c++) a[r][c] = _mm256_setzero_ps();
-    if (GROUPED(kind))
-        for (int j = 0; j < NP; j++) memset(out[j], 0, sizeof(float) * PANEL * (size_t)R);
+        for (int j = 0; j < NP; j++) a[r][j] = y[r][j] = v_zero();
+#ifdef SD_BROKEN_WIDTH
+    /* A deliberately broken variant for the tests (never built otherwise): with several rows the
+     * inputs are taken from the last block back, a blocking that depends on the call's width. */
+    for (int64_t k0 = R > 1 ? K - span : 0; R > 1 ? k0 >= 0 : k0 < K; k0 += R > 1 ? -span : span) {
+#else
     for (int64_t k0 = 0; k0 < K; k0 += span) {
+#endif
         if (GROUPED(kind)) /* each group's sums start from 0 */
             for (int r = 0; r < R; r++)
-                for (int c = 0; c < 2 * NP; c++) a[r][c] = _mm256_setzero_ps();
+                for (int j = 0; j < NP; j++) a[r][j] = v_zero();
         for (int64_t k = k0; k < k0 + span; k++) {
-            __m256 xb[ROWS];
-            for (int r = 0; r < R; r++) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
-            for (int j = 0; j < NP; j++) {
-                __m256 w0, w1;
-                decode_k(m, kind, p + j, k, &w0, &w1);
-                for (int r = 0; r < R; r++) {
-                    a[r][2 * j] = _mm256_fmadd_ps(xb[r], w0, a[r][2 * j]);
-                    a[r][2 * j + 1] = _mm256_fmadd_ps(xb[r], w1, a[r][2 * j + 1]);
-                }
+            v16 w[NPMAX];
+            for (int j = 0; j < NP; j++) w[j] = decode_k(m, kind, p + j, k);
+            for (int r = 0; r < R; r++) {
+                v16 xb = v_set1(x[r * ldx + k]);
+                for (int j = 0; j < NP; j++) a[r][j] = v_fma(xb, w[j], a[r][j]);
             }
         }
         if (GROUPED(kind))
-            for (int j = 0; j < NP; j++)
-                for (int r = 0; r < R; r++)
-                    fold_group(m, kind, p + j, k0 / GROUP, a[r][2 * j], a[r][2 * j + 1],
-                               xs[r * ldxs + k0 / GROUP], out[j][r]);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < NP; j++)
+                    y[r][j] = fold_group(m, p + j, k0 / span, a[r][j],
+                                         xs ? xs[r * ldxs + k0 / span] : 0.0f, y[r][j]);
     }
-    if (!GROUPED(kind))
-        for (int j = 0; j < NP; j++)
-            for (int r = 0; r < R; r++) finish(m, kind, p + j, a[r][2 * j], a[r][2 * j + 1], out[j][r]);
+    for (int j = 0; j < NP; j++)
+        for (int r = 0; r < R; r++)
+            v_store(out[j][r], GROUPED(kind) ? y[r][j] : finish(m, kind, p + j, a[r][j]));
 }
 
 /* R rows against kb decoded inputs in wbuf, continuing the sums in acc (R x PANEL). */
 SD_INLINE void rows_over_block(const float *x, int64_t ldx, const float *wbuf, int64_t kb,
-                                   int R, float *acc, int fresh) {
-    __m256 a0[ROWS], a1[ROWS];
-    for (int r = 0; r < R; r++) {
-        a0[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * PANEL);
-        a1[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * PANEL + 8);
-    }
+                               int R, float *acc, int fresh) {
+    v16 a[ROWS];
+    for (int r = 0; r < R; r++) a[r] = fresh ? v_zero() : v_load(acc + r * PANEL);
     for (int64_t k = 0; k < kb; k++) {
-        __m256 w0 = _mm256_loadu_ps(wbuf + k * PANEL), w1 = _mm256_loadu_ps(wbuf + k * PANEL + 8);
-        for (int r = 0; r < R; r++) {
-            __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-            a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
-            a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
-        }
+        v16 w = v_load(wbuf + k * PANEL);
+        for (int r = 0; r < R; r++) a[r] = v_fma(v_set1(x[r * ldx + k]), w, a[r]);
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(acc + r * PANEL, a0[r]);
-        _mm256_storeu_ps(acc + r * PANEL + 8, a1[r]);
-    }
+    for (int r = 0; r < R; r++) v_store(acc + r * PANEL, a[r]);
 }
 
-#define KBLOCK 32 /* inputs decoded at a time on the buffered path (an I4 group) */
+#define KBLOCK 32 /* inputs decoded at a time on the buffered path (a group, at most) */
 
-/* More rows than a register block: each block of KBLOCK inputs is decoded once into wbuf and
- * every row block of the chunk passes over it; the sums wait in acc between blocks. */
+/* More rows than a register block: each block of inputs (a group for the grouped kinds) is
+ * decoded once into wbuf and every row block of the chunk passes over it; the sums wait in acc
+ * between blocks. */
 SD_INLINE void panel_buffered(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                               const sd_mat *m, int kind, int64_t p, int64_t M,
-                               float out[][PANEL]) {
+                              const sd_mat *m, int kind, int64_t p, int64_t M,
+                              float out[][PANEL]) {
     float wbuf[KBLOCK * PANEL], acc[CHUNK * PANEL];
-    int64_t K = m->k;
+    int64_t K = m->k, step = GROUPED(kind) ? m->group : KBLOCK;
     memset(out, 0, sizeof(float) * PANEL * (size_t)M);
-    for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
-        int64_t kb = K - k0 < KBLOCK ? K - k0 : KBLOCK;
-        for (int64_t k = 0; k < kb; k++) {
-            __m256 w0, w1;
-            decode_k(m, kind, p, k0 + k, &w0, &w1);
-            _mm256_storeu_ps(wbuf + k * PANEL, w0);
-            _mm256_storeu_ps(wbuf + k * PANEL + 8, w1);
-        }
+    for (int64_t k0 = 0; k0 < K; k0 += step) {
+        int64_t kb = K - k0 < step ? K - k0 : step;
+        for (int64_t k = 0; k < kb; k++) v_store(wbuf + k * PANEL, decode_k(m, kind, p, k0 + k));
         int fresh = k0 == 0 || GROUPED(kind); /* a grouped kind's block is one group */
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             int R = M - r0 >= ROWS ? ROWS : (int)(M - r0);
             const float *xr = x + r0 * ldx + k0;
             float *ar = acc + r0 * PANEL;
             switch (R) {
+#if ROWS > 6
+            case 12: rows_over_block(xr, ldx, wbuf, kb, 12, ar, fresh); break;
+            case 11: rows_over_block(xr, ldx, wbuf, kb, 11, ar, fresh); break;
+            case 10: rows_over_block(xr, ldx, wbuf, kb, 10, ar, fresh); break;
+            case 9: rows_over_block(xr, ldx, wbuf, kb, 9, ar, fresh); break;
+            case 8: rows_over_block(xr, ldx, wbuf, kb, 8, ar, fresh); break;
+            case 7: rows_over_block(xr, ldx, wbuf, kb, 7, ar, fresh); break;
+#endif
             case 6: rows_over_block(xr, ldx, wbuf, kb, 6, ar, fresh); break;
             case 5: rows_over_block(xr, ldx, wbuf, kb, 5, ar, fresh); break;
             case 4: rows_over_block(xr, ldx, wbuf, kb, 4, ar, fresh); break;
@@ -249,45 +329,99 @@ SD_INLINE void panel_buffered(const float *x, int64_t ldx, const float *xs, int6
             }
             if (GROUPED(kind))
                 for (int r = 0; r < R; r++)
-                    fold_group(m, kind, p, k0 / GROUP, _mm256_loadu_ps(ar + r * PANEL),
-                               _mm256_loadu_ps(ar + r * PANEL + 8),
-                               xs[(r0 + r) * ldxs + k0 / GROUP], out[r0 + r]);
+                    v_store(out[r0 + r],
+                            fold_group(m, p, k0 / step, v_load(ar + r * PANEL),
+                                       xs ? xs[(r0 + r) * ldxs + k0 / step] : 0.0f,
+                                       v_load(out[r0 + r])));
         }
     }
     if (!GROUPED(kind))
-        for (int64_t r = 0; r < M; r++)
-            finish(m, kind, p, _mm256_loadu_ps(acc + r * PANEL), _mm256_loadu_ps(acc + r * PANEL + 8),
-                   out[r]);
+        for (int64_t r = 0; r < M; r++) v_store(out[r], finish(m, kind, p, v_load(acc + r * PANEL)));
 }
 
-/* Panels p..p+np-1 (np panels per call: 4 for one row, 2 for two, else 1) for M rows. */
+/* Panels per call for M rows (how many one register block holds). */
+static int panels_per_call(int64_t M) {
+#if SD_ISA == 3
+    return M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+#elif SD_ISA == 2
+    return M == 1 ? 4 : M == 2 ? 2 : 1;
+#else
+    (void)M;
+    return 1;
+#endif
+}
+
+#define DIRECT(NP, R) panel_direct(x, ldx, xs, ldxs, m, kind, p, NP, R, out)
+
+/* Panels p..p+np-1 for M rows: one register block where it holds them, else buffered. */
 SD_INLINE void chunk_of_kind(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
                              const sd_mat *m, int kind, int64_t p, int np, int64_t M,
                              float out[][CHUNK][PANEL]) {
+#if SD_ISA == 3
     if (M == 1) {
         switch (np) {
-        case 4: panel_direct(x, ldx, xs, ldxs, m, kind, p, 4, 1, out); break;
-        case 3: panel_direct(x, ldx, xs, ldxs, m, kind, p, 3, 1, out); break;
-        case 2: panel_direct(x, ldx, xs, ldxs, m, kind, p, 2, 1, out); break;
-        default: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 1, out); break;
+        case 8: DIRECT(8, 1); return;
+        case 7: DIRECT(7, 1); return;
+        case 6: DIRECT(6, 1); return;
+        case 5: DIRECT(5, 1); return;
+        case 4: DIRECT(4, 1); return;
+        case 3: DIRECT(3, 1); return;
+        case 2: DIRECT(2, 1); return;
+        default: DIRECT(1, 1); return;
         }
-        return;
     }
     if (M == 2) {
-        if (np == 2) panel_direct(x, ldx, xs, ldxs, m, kind, p, 2, 2, out);
-        else panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 2, out);
+        switch (np) {
+        case 4: DIRECT(4, 2); return;
+        case 3: DIRECT(3, 2); return;
+        case 2: DIRECT(2, 2); return;
+        default: DIRECT(1, 2); return;
+        }
+    }
+    if (M <= 4) {
+        if (np == 2) { if (M == 3) DIRECT(2, 3); else DIRECT(2, 4); }
+        else { if (M == 3) DIRECT(1, 3); else DIRECT(1, 4); }
         return;
     }
     switch (M) {
-    case 3: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 3, out); break;
-    case 4: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 4, out); break;
-    case 5: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 5, out); break;
-    case 6: panel_direct(x, ldx, xs, ldxs, m, kind, p, 1, 6, out); break;
-    default: panel_buffered(x, ldx, xs, ldxs, m, kind, p, M, out[0]); break;
+    case 5: DIRECT(1, 5); return;
+    case 6: DIRECT(1, 6); return;
+    case 7: DIRECT(1, 7); return;
+    case 8: DIRECT(1, 8); return;
+    case 9: DIRECT(1, 9); return;
+    case 10: DIRECT(1, 10); return;
+    case 11: DIRECT(1, 11); return;
+    case 12: DIRECT(1, 12); return;
+    default: panel_buffered(x, ldx, xs, ldxs, m, kind, p, M, out[0]); return;
     }
+#elif SD_ISA == 2
+    if (M == 1) {
+        switch (np) {
+        case 4: DIRECT(4, 1); return;
+        case 3: DIRECT(3, 1); return;
+        case 2: DIRECT(2, 1); return;
+        default: DIRECT(1, 1); return;
+        }
+    }
+    if (M == 2) {
+        if (np == 2) DIRECT(2, 2);
+        else DIRECT(1, 2);
+        return;
+    }
+    switch (M) {
+    case 3: DIRECT(1, 3); return;
+    case 4: DIRECT(1, 4); return;
+    case 5: DIRECT(1, 5); return;
+    case 6: DIRECT(1, 6); return;
+    default: panel_buffered(x, ldx, xs, ldxs, m, kind, p, M, out[0]); return;
+    }
+#else
+    (void)np;
+    panel_buffered(x, ldx, xs, ldxs, m, kind, p, M, out[0]);
+#endif
 }
 
-/* One body per weight kind, row count and panel count, the kind a constant in each. */
+/* One body per weight kind, the kind a constant in each. */
 static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
                         const sd_mat *m, int64_t p, int np, int64_t M, float out[][CHUNK][PANEL]) {
     switch (m->kind) {
@@ -298,63 +432,330 @@ static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ld
     default: chunk_of_kind(x, ldx, xs, ldxs, m, KIND_I4, p, np, M, out); break;
     }
 }
-#else
-static inline float weight_at(const sd_mat *m, int64_t p, int64_t k, int c) {
-    int64_t K = m->k;
-    switch (m->kind) {
-    case KIND_F32: return ((const float *)m->w)[(p * K + k) * PANEL + c];
-    case KIND_BF16: return bf16_to_f32(((const uint16_t *)m->w)[(p * K + k) * PANEL + c]);
-    case KIND_I8:
-    case KIND_I8G: return (float)((const int8_t *)m->w)[(p * K + k) * PANEL + c];
-    default: {
-        uint8_t b = ((const uint8_t *)m->w)[(p * K + k) * (PANEL / 2) + c % 8];
-        return (float)(c < 8 ? b & 0xf : b >> 4);
-    }
-    }
-}
 
-/* The vector code's arithmetic (see there), one element at a time. */
-static void panel_one(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                      const sd_mat *m, int64_t p, int64_t M, float out[][PANEL]) {
-    int64_t K = m->k, G = K / GROUP;
-    for (int64_t r = 0; r < M; r++)
-        for (int c = 0; c < PANEL; c++) {
-            if (GROUPED(m->kind)) {
-                float y = 0.0f;
-                for (int64_t g = 0; g < G; g++) {
-                    float a = 0.0f;
-                    for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++)
-                        a = fmaf(x[r * ldx + k], weight_at(m, p, k, c), a);
-                    int64_t i = (p * G + g) * PANEL + c;
-                    y = m->kind == KIND_I8G ? fmaf(a, m->scale[i], y)
-                                            : fmaf(xs[r * ldxs + g], m->zero[i], fmaf(a, m->scale[i], y));
-                }
-                out[r][c] = y;
-            } else {
-                float a = 0.0f;
-                for (int64_t k = 0; k < K; k++) a = fmaf(x[r * ldx + k], weight_at(m, p, k, c), a);
-                out[r][c] = m->kind == KIND_I8 ? a * m->scale[p * PANEL + c] : a;
-            }
+/* ---- products of the integer-activation (a8) kinds ---------------------------------------- */
+
+/* A row's inputs as the a8 kinds use them: int8 codes q per block of 32 inputs with one scale d
+ * (d = max|x| / 127, q = x / d rounded to nearest even, |q| <= 127), the int32 sum of the codes
+ * of each 16 inputs, and, for matrices with zeros, xs_g = (float)(sum of group g's codes) * d.
+ * One scalar routine, the same in every build. */
+typedef struct {
+    int8_t *q;    /* (M, K) */
+    float *d;     /* (M, K / 32) */
+    int32_t *s16; /* (M, K / 16) */
+    float *xs;    /* (M, K / group) or NULL */
+} sd_qrows;
+
+static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *d,
+                         int32_t *s16, float *xs) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) {
+            float v = fabsf(xb[i]);
+            amax = v > amax ? v : amax;
+        }
+        float db = amax / 127.0f, id = db > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = db;
+        for (int i = 0; i < QBLOCK; i++) {
+            float v = nearbyintf(xb[i] * id);
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            q[b * QBLOCK + i] = (int8_t)v;
+        }
+        for (int h = 0; h < 2; h++) {
+            int32_t s = 0;
+            for (int i = 0; i < 16; i++) s += q[b * QBLOCK + h * 16 + i];
+            s16[b * 2 + h] = s;
+        }
+    }
+    if (xs)
+        for (int64_t g = 0; g < K / group; g++) {
+            int32_t s = group == 16 ? s16[g] : s16[2 * g] + s16[2 * g + 1];
+            xs[g] = (float)s * d[g * group / QBLOCK];
         }
 }
 
-static void panel_chunk(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
-                        const sd_mat *m, int64_t p, int np, int64_t M, float out[][CHUNK][PANEL]) {
-    for (int j = 0; j < np; j++) panel_one(x, ldx, xs, ldxs, m, p + j, M, out[j]);
+static void quantize_rows(const float *x, int64_t M, const sd_mat *m, const sd_qrows *qr) {
+    int64_t K = m->k;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        quantize_row(x + r * K, K, m->group, qr->q + r * K, qr->d + r * (K / QBLOCK),
+                     qr->s16 + r * (K / 16), qr->xs ? qr->xs + r * (K / m->group) : NULL);
+#ifdef SD_BROKEN_ROW_COUPLED
+    /* A deliberately broken variant for the tests (never built otherwise): one activation
+     * scale per block shared by every row of the call, as a per-tensor dynamic quantizer does:
+     * a row's codes then depend on the rows beside it. */
+#pragma omp single
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        float dmax = 0.0f;
+        for (int64_t r = 0; r < M; r++) dmax = qr->d[r * (K / QBLOCK) + b] > dmax ? qr->d[r * (K / QBLOCK) + b] : dmax;
+        for (int64_t r = 0; r < M; r++) {
+            float dr = qr->d[r * (K / QBLOCK) + b];
+            for (int i = 0; i < QBLOCK; i++) {
+                int8_t *q = qr->q + r * K + b * QBLOCK + i;
+                *q = dmax > 0.0f ? (int8_t)nearbyintf((float)*q * dr / dmax) : 0;
+            }
+            qr->d[r * (K / QBLOCK) + b] = dmax;
+        }
+    }
+#endif
+}
+
+/* The exact int32 sums of one group of one row against 16 columns: sum over the group's inputs
+ * of (code - offset) * q. Every build computes the same integers. */
+#if SD_ISA == 3
+typedef __m512i i16v;
+SD_INLINE i16v i_zero(void) { return _mm512_setzero_si512(); }
+/* a quad of inputs (4 codes per column, 64 bytes) against one row's 4 int8 codes */
+SD_INLINE i16v i_dot4(i16v acc, __m512i w, int32_t x4, int signed_w) {
+#if SD_VNNI
+    (void)signed_w;
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
+#else
+    __m512i xv = _mm512_set1_epi32(x4), t;
+    if (signed_w) { /* codes over 127: |w - 128| with the sign moved onto x (no saturation) */
+        __m512i ws = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+        __mmask64 neg = _mm512_movepi8_mask(ws);
+        __m512i xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        t = _mm512_maddubs_epi16(_mm512_abs_epi8(ws), xs);
+    } else {
+        t = _mm512_maddubs_epi16(w, xv);
+    }
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(t, _mm512_set1_epi16(1)));
+#endif
+}
+SD_INLINE __m512i q_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+SD_INLINE __m512i q_lo(__m512i b) { return _mm512_and_si512(b, _mm512_set1_epi8(0xf)); }
+SD_INLINE __m512i q_hi(__m512i b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0xf)); }
+SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
+                     float xs, v16 y) {
+    __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(corr)));
+    y = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(dx)), _mm512_loadu_ps(scale), y);
+    if (zero) y = _mm512_fmadd_ps(_mm512_set1_ps(xs), _mm512_loadu_ps(zero), y);
+    return y;
+}
+#elif SD_ISA == 2
+typedef struct { __m256i a, b; } i16v;
+SD_INLINE i16v i_zero(void) { i16v r = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return r; }
+SD_INLINE __m256i dot4_half(__m256i acc, __m256i w, __m256i xv, int signed_w) {
+    __m256i t;
+    if (signed_w) {
+        __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+        t = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(xv, ws));
+    } else {
+        t = _mm256_maddubs_epi16(w, xv);
+    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+}
+typedef struct { __m256i a, b; } q64;
+SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
+    __m256i xv = _mm256_set1_epi32(x4);
+    i16v r = {dot4_half(acc.a, w.a, xv, signed_w), dot4_half(acc.b, w.b, xv, signed_w)};
+    return r;
+}
+SD_INLINE q64 q_load(const uint8_t *p) {
+    q64 r = {_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+    return r;
+}
+SD_INLINE q64 q_lo(q64 b) {
+    __m256i f = _mm256_set1_epi8(0xf);
+    q64 r = {_mm256_and_si256(b.a, f), _mm256_and_si256(b.b, f)};
+    return r;
+}
+SD_INLINE q64 q_hi(q64 b) {
+    __m256i f = _mm256_set1_epi8(0xf);
+    q64 r = {_mm256_and_si256(_mm256_srli_epi16(b.a, 4), f), _mm256_and_si256(_mm256_srli_epi16(b.b, 4), f)};
+    return r;
+}
+SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
+                     float xs, v16 y) {
+    __m256i c = _mm256_set1_epi32(corr);
+    __m256 d = _mm256_set1_ps(dx);
+    __m256 fa = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc.a, c)), d);
+    __m256 fb = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc.b, c)), d);
+    y.a = _mm256_fmadd_ps(fa, _mm256_loadu_ps(scale), y.a);
+    y.b = _mm256_fmadd_ps(fb, _mm256_loadu_ps(scale + 8), y.b);
+    if (zero) {
+        __m256 s = _mm256_set1_ps(xs);
+        y.a = _mm256_fmadd_ps(s, _mm256_loadu_ps(zero), y.a);
+        y.b = _mm256_fmadd_ps(s, _mm256_loadu_ps(zero + 8), y.b);
+    }
+    return y;
+}
+#else
+typedef struct { int32_t v[PANEL]; } i16v;
+typedef struct { uint8_t b[64]; } q64;
+SD_INLINE i16v i_zero(void) { i16v r; memset(&r, 0, sizeof r); return r; }
+SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
+    int8_t x[4];
+    memcpy(x, &x4, 4);
+    for (int c = 0; c < PANEL; c++)
+        for (int j = 0; j < 4; j++) {
+            uint8_t b = w.b[c * 4 + j];
+            int32_t wv = signed_w ? (int32_t)(int8_t)(b ^ 0x80) : (int32_t)b;
+            acc.v[c] += wv * x[j];
+        }
+    return acc;
+}
+SD_INLINE q64 q_load(const uint8_t *p) { q64 r; memcpy(r.b, p, 64); return r; }
+SD_INLINE q64 q_lo(q64 b) { for (int i = 0; i < 64; i++) b.b[i] &= 0xf; return b; }
+SD_INLINE q64 q_hi(q64 b) { for (int i = 0; i < 64; i++) b.b[i] >>= 4; return b; }
+SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
+                     float xs, v16 y) {
+    for (int c = 0; c < PANEL; c++) {
+        float f = (float)(acc.v[c] - corr) * dx;
+        y.f[c] = fmaf(f, scale[c], y.f[c]);
+        if (zero) y.f[c] = fmaf(xs, zero[c], y.f[c]);
+    }
+    return y;
 }
 #endif
 
-/* The inputs as the product uses them: rounded to bf16 if asked, and for I4 the per-group sums.
- * Each row on its own (a fixed-order sum per group); called inside a parallel region. */
+/* The correction that turns a group's raw dot products into sum (code - offset) * q, and
+ * whether the raw sums are taken that way already (the pairwise-sum paths hold codes over 127
+ * as signed values, which applies the offset by itself). */
+SD_INLINE int32_t group_correction(const sd_mat *m, int kind, const int32_t *s16, int64_t g,
+                                   int signed_w) {
+    if (m->offset == 0 || signed_w) return 0;
+    int32_t s = m->group == 16 ? s16[g] : s16[2 * g] + s16[2 * g + 1];
+    (void)kind;
+    return m->offset * s;
+}
+
+/* R rows against NP panels of an a8 kind; out[j][r] receives panel p + j's row r. */
+SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
+                           int NP, int R, float out[][CHUNK][PANEL]) {
+    int64_t K = m->k, G = m->group, NG = K / G;
+#if SD_ISA == 3 && SD_VNNI
+    const int signed_w = 0;
+#else
+    const int signed_w = kind == KIND_Q8 && m->offset == 128;
+#endif
+    v16 y[ROWS][NPMAX];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NP; j++) y[r][j] = v_zero();
+    const uint8_t *w = (const uint8_t *)m->w;
+#ifdef SD_BROKEN_WIDTH
+    for (int64_t g = R > 1 ? NG - 1 : 0; R > 1 ? g >= 0 : g < NG; g += R > 1 ? -1 : 1) {
+#else
+    for (int64_t g = 0; g < NG; g++) {
+#endif
+        i16v acc[ROWS][NPMAX];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NP; j++) acc[r][j] = i_zero();
+        if (kind == KIND_Q8) {
+            for (int64_t i = g * G / 4; i < (g + 1) * G / 4; i++) {
+                for (int j = 0; j < NP; j++) {
+                    __typeof__(q_load(w)) wq = q_load(w + ((p + j) * (K / 4) + i) * 64);
+                    for (int r = 0; r < R; r++) {
+                        int32_t x4;
+                        memcpy(&x4, qr->q + (r0 + r) * K + 4 * i, 4);
+                        acc[r][j] = i_dot4(acc[r][j], wq, x4, signed_w);
+                    }
+                }
+            }
+        } else {
+            for (int64_t i = g * G / 8; i < (g + 1) * G / 8; i++) {
+                for (int j = 0; j < NP; j++) {
+                    __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + i) * 64);
+                    __typeof__(q_load(w)) lo = q_lo(b), hi = q_hi(b);
+                    for (int r = 0; r < R; r++) {
+                        int32_t x4a, x4b;
+                        memcpy(&x4a, qr->q + (r0 + r) * K + 8 * i, 4);
+                        memcpy(&x4b, qr->q + (r0 + r) * K + 8 * i + 4, 4);
+                        acc[r][j] = i_dot4(i_dot4(acc[r][j], lo, x4a, 0), hi, x4b, 0);
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            int64_t row = r0 + r;
+            const int32_t *s16 = qr->s16 + row * (K / 16);
+            int32_t corr = group_correction(m, kind, s16, g, signed_w);
+            float dx = qr->d[row * (K / QBLOCK) + g * G / QBLOCK];
+            float xs = qr->xs ? qr->xs[row * NG + g] : 0.0f;
+            for (int j = 0; j < NP; j++) {
+                int64_t at = ((p + j) * NG + g) * PANEL;
+                y[r][j] = i_fold(acc[r][j], corr, dx, m->scale + at, m->zero ? m->zero + at : NULL,
+                                 xs, y[r][j]);
+            }
+        }
+    }
+    for (int j = 0; j < NP; j++)
+        for (int r = 0; r < R; r++) v_store(out[j][r0 - (r0 / CHUNK) * CHUNK + r], y[r][j]);
+}
+
+#define QROWS(NP, R) qpanel_rows(qr, r0, m, kind, p, NP, R, out)
+
+/* Panels p..p+np-1 for rows m0..m0+M-1 (M <= CHUNK) of an a8 kind, in register blocks. */
+SD_INLINE void qchunk_of_kind(const sd_qrows *qr, int64_t m0, const sd_mat *m, int kind,
+                              int64_t p, int np, int64_t M, float out[][CHUNK][PANEL]) {
+    if (M == 1 && np > 1) {
+        int64_t r0 = m0;
+        switch (np) {
+#if NPMAX > 4
+        case 8: QROWS(8, 1); return;
+        case 7: QROWS(7, 1); return;
+        case 6: QROWS(6, 1); return;
+        case 5: QROWS(5, 1); return;
+#endif
+        case 4: QROWS(4, 1); return;
+        case 3: QROWS(3, 1); return;
+        default: QROWS(2, 1); return;
+        }
+    }
+    for (int64_t j = 0; j < np; j++)
+        for (int64_t r0 = m0; r0 < m0 + M; r0 += ROWS) {
+            int R = m0 + M - r0 >= ROWS ? ROWS : (int)(m0 + M - r0);
+            int64_t pj = p + j;
+            float (*oj)[CHUNK][PANEL] = out + j;
+#define QROW1(RR) qpanel_rows(qr, r0, m, kind, pj, 1, RR, oj)
+            switch (R) {
+#if ROWS > 6
+            case 12: QROW1(12); break;
+            case 11: QROW1(11); break;
+            case 10: QROW1(10); break;
+            case 9: QROW1(9); break;
+            case 8: QROW1(8); break;
+            case 7: QROW1(7); break;
+#endif
+            case 6: QROW1(6); break;
+            case 5: QROW1(5); break;
+            case 4: QROW1(4); break;
+            case 3: QROW1(3); break;
+            case 2: QROW1(2); break;
+            default: QROW1(1); break;
+            }
+#undef QROW1
+        }
+}
+
+static void qpanel_chunk(const sd_qrows *qr, int64_t m0, const sd_mat *m, int64_t p, int np,
+                         int64_t M, float out[][CHUNK][PANEL]) {
+    if (m->kind == KIND_Q8) qchunk_of_kind(qr, m0, m, KIND_Q8, p, np, M, out);
+    else qchunk_of_kind(qr, m0, m, KIND_Q4, p, np, M, out);
+}
+
+/* ---- a product: prepare the inputs, then every panel ------------------------------------- */
+
+/* Scratch of one product: float kinds use xr (inputs rounded to bf16) and xs (group sums);
+ * a8 kinds use qr. Sized for the largest matrix of a block. */
+typedef struct {
+    float *xr, *xs;
+    sd_qrows qr;
+} sd_scratch;
+
+/* The float inputs as the product uses them: rounded to bf16 if asked, and for kinds with zeros
+ * the per-group sums (plain adds in order). Each row on its own; inside a parallel region. */
 static void prepare_rows(const float *x, int64_t M, const sd_mat *m, float *xr, float *xs) {
-    int64_t K = m->k, G = K / GROUP;
+    int64_t K = m->k, G = m->group > 0 ? K / m->group : 0;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++) {
         for (int64_t k = 0; k < K; k++) xr[r * K + k] = m->round_x ? round_bf16(x[r * K + k]) : x[r * K + k];
-        if (m->kind == KIND_I4)
+        if (m->zero && GROUPED(m->kind))
             for (int64_t g = 0; g < G; g++) {
                 float s = 0.0f;
-                for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k++) s += xr[r * K + k];
+                for (int64_t k = g * m->group; k < (g + 1) * m->group; k++) s += xr[r * K + k];
                 xs[r * G + g] = s;
             }
     }
@@ -363,22 +764,31 @@ static void prepare_rows(const float *x, int64_t M, const sd_mat *m, float *xr, 
 /* y (M, N) (row stride ldy) = x (M, K) W^T + bias [+ y if accumulate]; inside a parallel region
  * (orphaned work-sharing loops). x is used as is where no preparation is needed. */
 static void matmul_in_region(const float *x, int64_t M, const sd_mat *m, float *y, int64_t ldy,
-                             int accumulate, float *xr, float *xs) {
-    int64_t K = m->k, N = m->n, P = (N + PANEL - 1) / PANEL, G = K / GROUP;
+                             int accumulate, const sd_scratch *sc) {
+    int64_t K = m->k, N = m->n, P = (N + PANEL - 1) / PANEL;
+    int64_t G = m->group > 0 ? K / m->group : 0;
+    int quant = QUANT(m->kind);
     const float *xin = x;
-    if (m->round_x || m->kind == KIND_I4) {
-        prepare_rows(x, M, m, xr, xs);  /* ends with a barrier */
-        xin = xr;
+    const float *xs = NULL;
+    sd_qrows qr = sc->qr;
+    if (quant) {
+        if (!m->zero) qr.xs = NULL;
+        quantize_rows(x, M, m, &qr); /* ends with a barrier */
+    } else if (m->round_x || (m->zero && GROUPED(m->kind))) {
+        prepare_rows(x, M, m, sc->xr, sc->xs); /* ends with a barrier */
+        xin = sc->xr;
+        xs = sc->xs;
     }
-    int NP = M == 1 ? 4 : M == 2 ? 2 : 1; /* panels per call (chunk_of_kind) */
+    int NP = panels_per_call(M);
     for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
         int64_t mc = M - m0 < CHUNK ? M - m0 : CHUNK;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < (P + NP - 1) / NP; g++) {
-            float out[4][CHUNK][PANEL];
+            float out[NPMAX][CHUNK][PANEL];
             int64_t p0 = g * NP;
             int np = P - p0 < NP ? (int)(P - p0) : NP;
-            panel_chunk(xin + m0 * K, K, xs ? xs + m0 * G : NULL, G, m, p0, np, mc, out);
+            if (quant) qpanel_chunk(&qr, m0, m, p0, np, mc, out);
+            else panel_chunk(xin + m0 * K, K, xs ? xs + m0 * G : NULL, G, m, p0, np, mc, out);
             for (int j = 0; j < np; j++) {
                 int64_t n0 = (p0 + j) * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
                 for (int64_t r = 0; r < mc; r++) {
@@ -393,41 +803,72 @@ static void matmul_in_region(const float *x, int64_t M, const sd_mat *m, float *
     }
 }
 
-static void scratch_for(const sd_mat *m, int64_t M, float **xr, float **xs) {
-    *xr = (m->round_x || m->kind == KIND_I4) ? (float *)malloc(sizeof(float) * (size_t)(M * m->k)) : NULL;
-    *xs = m->kind == KIND_I4 ? (float *)malloc(sizeof(float) * (size_t)(M * (m->k / GROUP) + 1)) : NULL;
+static void scratch_free(sd_scratch *s) {
+    free(s->xr);
+    free(s->xs);
+    free(s->qr.q);
+    free(s->qr.d);
+    free(s->qr.s16);
+    free(s->qr.xs);
+    memset(s, 0, sizeof *s);
+}
+
+/* Scratch for products of M rows with at most kmax inputs and groups of at least gmin inputs;
+ * returns 0, or SD_ENOMEM (then nothing is held). */
+static int scratch_alloc(sd_scratch *s, int64_t M, int64_t kmax, int64_t gmin) {
+    memset(s, 0, sizeof *s);
+    size_t rows = (size_t)(M > 0 ? M : 1), k = (size_t)kmax;
+    s->xr = (float *)malloc(sizeof(float) * rows * k);
+    s->xs = (float *)malloc(sizeof(float) * (rows * k / (size_t)gmin + 1));
+    s->qr.q = (int8_t *)malloc(rows * k + 64);
+    s->qr.d = (float *)malloc(sizeof(float) * (rows * k / QBLOCK + 1));
+    s->qr.s16 = (int32_t *)malloc(sizeof(int32_t) * (rows * k / 16 + 1));
+    s->qr.xs = (float *)malloc(sizeof(float) * (rows * k / (size_t)gmin + 1));
+    if (!s->xr || !s->xs || !s->qr.q || !s->qr.d || !s->qr.s16 || !s->qr.xs) {
+        scratch_free(s);
+        return SD_ENOMEM;
+    }
+    return 0;
 }
 
 /* y (M, N) = x (M, K) W^T (+ bias). */
-void sd_matmul(const float *x, int64_t M, const sd_mat *m, float *y) {
-    float *xr, *xs;
-    scratch_for(m, M, &xr, &xs);
+int sd_matmul(const float *x, int64_t M, const sd_mat *m, float *y) {
+    sd_scratch sc;
+    if (scratch_alloc(&sc, M, m->k, 16)) return SD_ENOMEM;
 #pragma omp parallel
-    matmul_in_region(x, M, m, y, m->n, 0, xr, xs);
-    free(xr);
-    free(xs);
+    matmul_in_region(x, M, m, y, m->n, 0, &sc);
+    scratch_free(&sc);
+    return 0;
 }
 
 /* ---- attention ---------------------------------------------------------------------------- */
 
+/* A dot product over D inputs: eight partial sums (input d into sum d % 8, one fused
+ * multiply-add each, in order), then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); for D
+ * not a multiple of 8, one chain in order. The same in every build. */
 static inline float dot(const float *a, const float *b, int64_t D) {
-#if SD_AVX2
     if (D % 8 == 0) {
+#if SD_ISA >= 2
         __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
         for (int64_t d = 8; d < D; d += 8)
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
         float l[8];
         _mm256_storeu_ps(l, acc);
+#else
+        float l[8];
+        for (int i = 0; i < 8; i++) l[i] = a[i] * b[i];
+        for (int64_t d = 8; d < D; d += 8)
+            for (int i = 0; i < 8; i++) l[i] = fmaf(a[d + i], b[d + i], l[i]);
+#endif
         return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
     }
-#endif
     float s = a[0] * b[0];
     for (int64_t d = 1; d < D; d++) s = fmaf(a[d], b[d], s);
     return s;
 }
 
 static inline void axpy(float e, const float *v, float *acc, int64_t D) {
-#if SD_AVX2
+#if SD_ISA >= 2
     if (D % 8 == 0) {
         __m256 eb = _mm256_set1_ps(e);
         for (int64_t d = 0; d < D; d += 8)
@@ -479,16 +920,31 @@ static void attention_in_region(const float *q, int64_t q_row, int64_t R, int64_
     }
 }
 
-void sd_attention(const float *q, int64_t q_row, int64_t R, int64_t NH, int64_t D,
-                  const sd_attn *a, float *out) {
+/* Per-thread attention scratch, allocated inside the parallel region; a failure is reported
+ * through *failed (checked after the region, before anything is trusted). */
+static int thread_scratch(int64_t used, int64_t D, float **s, float **acc) {
+    *s = (float *)malloc(sizeof(float) * (size_t)(used > 0 ? used : 1));
+    *acc = (float *)malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
+    return *s && *acc;
+}
+
+int sd_attention(const float *q, int64_t q_row, int64_t R, int64_t NH, int64_t D,
+                 const sd_attn *a, float *out) {
+    int failed = 0;
 #pragma omp parallel
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(a->used > 0 ? a->used : 1));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)D);
-        attention_in_region(q, q_row, R, NH, D, a, out, s, acc);
+        float *s, *acc;
+        int ok = thread_scratch(a->used, D, &s, &acc);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) attention_in_region(q, q_row, R, NH, D, a, out, s, acc);
         free(s);
         free(acc);
     }
+    return failed ? SD_ENOMEM : 0;
 }
 
 /* ---- a transformer block ----------------------------------------------------------------- */
@@ -513,63 +969,161 @@ static void rms_norm_rows(const float *x, int64_t M, int64_t H, const float *w, 
     }
 }
 
-/* x (M, hidden) <- the block applied to x. cos, sin: (M, head_dim) per row, sin signed as in
- * models.llama.apply_rope; slots (M,): where each row's key and value are written in its cache
- * row (a->rows). */
-void sd_block(float *x, int64_t M, const sd_block_w *b, const float *cos, const float *sin,
-              const int64_t *slots, const sd_attn *a) {
+static int64_t min_group(const sd_block_w *b, int64_t n) {
+    int64_t g = 32;
+    for (int64_t l = 0; l < n; l++) {
+        const sd_mat *ms[4] = {&b[l].qkv, &b[l].o, &b[l].gate_up, &b[l].down};
+        for (int i = 0; i < 4; i++)
+            if (ms[i]->group > 0 && ms[i]->group < g) g = ms[i]->group;
+    }
+    return g;
+}
+
+/* Buffers of a block over M rows. */
+typedef struct {
+    float *h, *qkv, *att, *gu, *act;
+    sd_scratch sc;
+} sd_block_buf;
+
+static void block_buf_free(sd_block_buf *u) {
+    free(u->h);
+    free(u->qkv);
+    free(u->att);
+    free(u->gu);
+    free(u->act);
+    scratch_free(&u->sc);
+    memset(u, 0, sizeof *u);
+}
+
+static int block_buf_alloc(sd_block_buf *u, const sd_block_w *b, int64_t M, int64_t gmin) {
+    int64_t H = b->hidden, NH = b->heads, KVH = b->kv_heads, D = b->head_dim, I = b->inter;
+    size_t rows = (size_t)M;
+    memset(u, 0, sizeof *u);
+    u->h = (float *)malloc(sizeof(float) * rows * (size_t)H);
+    u->qkv = (float *)malloc(sizeof(float) * rows * (size_t)((NH + 2 * KVH) * D));
+    u->att = (float *)malloc(sizeof(float) * rows * (size_t)(NH * D));
+    u->gu = (float *)malloc(sizeof(float) * rows * (size_t)(2 * I));
+    u->act = (float *)malloc(sizeof(float) * rows * (size_t)I);
+    int64_t kmax = H > I ? H : I;
+    kmax = kmax > NH * D ? kmax : NH * D;
+    if (!u->h || !u->qkv || !u->att || !u->gu || !u->act || scratch_alloc(&u->sc, M, kmax, gmin)) {
+        block_buf_free(u);
+        return SD_ENOMEM;
+    }
+    return 0;
+}
+
+/* The block on x inside a parallel region (s, acc: this thread's attention scratch). */
+static void block_in_region(float *x, int64_t M, const sd_block_w *b, const float *cos,
+                            const float *sin, const int64_t *slots, const sd_attn *a,
+                            sd_block_buf *u, float *s, float *acc) {
     int64_t H = b->hidden, NH = b->heads, KVH = b->kv_heads, D = b->head_dim, I = b->inter;
     int64_t NQKV = (NH + 2 * KVH) * D, half = D / 2;
-    float *h = (float *)malloc(sizeof(float) * (size_t)(M * H));
-    float *qkv = (float *)malloc(sizeof(float) * (size_t)(M * NQKV));
-    float *att = (float *)malloc(sizeof(float) * (size_t)(M * NH * D));
-    float *gu = (float *)malloc(sizeof(float) * (size_t)(M * 2 * I));
-    float *act = (float *)malloc(sizeof(float) * (size_t)(M * I));
-    int64_t kmax = H > I ? H : I;
-    float *xr = (float *)malloc(sizeof(float) * (size_t)(M * (kmax > NH * D ? kmax : NH * D)));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * (kmax / GROUP + 1)));
+    rms_norm_rows(x, M, H, b->attn_norm, b->eps, u->h);
+    matmul_in_region(u->h, M, &b->qkv, u->qkv, NQKV, 0, &u->sc);
+    /* RoPE on q and k heads, then the new keys and values into the cache */
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        float *row = u->qkv + r * NQKV, tmp[MAX_HEAD_DIM];
+        const float *c = cos + r * D, *sn = sin + r * D;
+        for (int64_t hh = 0; hh < NH + KVH; hh++) {
+            float *v = row + hh * D;
+            for (int64_t d = 0; d < D; d++) tmp[d] = v[d];
+            for (int64_t d = 0; d < D; d++)
+                v[d] = tmp[d] * c[d] + tmp[d < half ? d + half : d - half] * sn[d];
+        }
+        for (int64_t g = 0; g < KVH; g++) {
+            int64_t off = a->rows[r] * a->c_row + g * a->c_head + slots[r] * D;
+            memcpy((float *)a->kc + off, row + (NH + g) * D, sizeof(float) * (size_t)D);
+            memcpy((float *)a->vc + off, row + (NH + KVH + g) * D, sizeof(float) * (size_t)D);
+        }
+    }
+    attention_in_region(u->qkv, NQKV, M, NH, D, a, u->att, s, acc);
+    matmul_in_region(u->att, M, &b->o, x, H, 1, &u->sc); /* x += att Wo^T */
+    rms_norm_rows(x, M, H, b->mlp_norm, b->eps, u->h);
+    matmul_in_region(u->h, M, &b->gate_up, u->gu, 2 * I, 0, &u->sc);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t i = 0; i < I; i++) {
+            float g = u->gu[r * 2 * I + i];
+            u->act[r * I + i] = (g / (1.0f + expf(-g))) * u->gu[r * 2 * I + I + i];
+        }
+    matmul_in_region(u->act, M, &b->down, x, H, 1, &u->sc); /* x += act Wdown^T */
+}
+
+/* x (M, hidden) <- the block applied to x. cos, sin: (M, head_dim) per row, sin signed as in
+ * models.llama.apply_rope; slots (M,): where each row's key and value are written in its cache
+ * row (a->rows). Returns 0, or SD_ENOMEM (x untouched). */
+int sd_block(float *x, int64_t M, const sd_block_w *b, const float *cos, const float *sin,
+             const int64_t *slots, const sd_attn *a) {
+    sd_block_buf u;
+    if (b->head_dim > MAX_HEAD_DIM || block_buf_alloc(&u, b, M, min_group(b, 1))) return SD_ENOMEM;
+    int failed = 0;
 #pragma omp parallel
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(a->used > 0 ? a->used : 1));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)D);
-        rms_norm_rows(x, M, H, b->attn_norm, b->eps, h);
-        matmul_in_region(h, M, &b->qkv, qkv, NQKV, 0, xr, xs);
-        /* RoPE on q and k heads, then the new keys and values into the cache */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) {
-            float *row = qkv + r * NQKV, tmp[512];
-            const float *c = cos + r * D, *sn = sin + r * D;
-            for (int64_t hh = 0; hh < NH + KVH; hh++) {
-                float *v = row + hh * D;
-                for (int64_t d = 0; d < D; d++) tmp[d] = v[d];
-                for (int64_t d = 0; d < D; d++)
-                    v[d] = tmp[d] * c[d] + tmp[d < half ? d + half : d - half] * sn[d];
-            }
-            for (int64_t g = 0; g < KVH; g++) {
-                int64_t off = a->rows[r] * a->c_row + g * a->c_head + slots[r] * D;
-                memcpy((float *)a->kc + off, row + (NH + g) * D, sizeof(float) * (size_t)D);
-                memcpy((float *)a->vc + off, row + (NH + KVH + g) * D, sizeof(float) * (size_t)D);
-            }
+        float *s, *acc;
+        if (!thread_scratch(a->used, b->head_dim, &s, &acc)) {
+#pragma omp atomic write
+            failed = 1;
         }
-        attention_in_region(qkv, NQKV, M, NH, D, a, att, s, acc);
-        matmul_in_region(att, M, &b->o, x, H, 1, xr, xs); /* x += att Wo^T */
-        rms_norm_rows(x, M, H, b->mlp_norm, b->eps, h);
-        matmul_in_region(h, M, &b->gate_up, gu, 2 * I, 0, xr, xs);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t i = 0; i < I; i++) {
-                float g = gu[r * 2 * I + i];
-                act[r * I + i] = (g / (1.0f + expf(-g))) * gu[r * 2 * I + I + i];
-            }
-        matmul_in_region(act, M, &b->down, x, H, 1, xr, xs); /* x += act Wdown^T */
+#pragma omp barrier
+        if (!failed) block_in_region(x, M, b, cos, sin, slots, a, &u, s, acc);
         free(s);
         free(acc);
     }
-    free(h);
-    free(qkv);
-    free(att);
-    free(gu);
-    free(act);
-    free(xr);
-    free(xs);
+    block_buf_free(&u);
+    return failed ? SD_ENOMEM : 0;
+}
+
+/* Every block, the final norm and the LM head in one call: x (M, hidden) is the embedded input
+ * (overwritten); attns[l]: layer l's attention spec; logits (M, vocab) of the rows in `which`
+ * (n_which rows: their indices into x), written to `logits`. No per-layer return to Python. */
+int sd_forward(float *x, int64_t M, int64_t n_layers, const sd_block_w *blocks,
+               const float *cos, const float *sin, const int64_t *slots, const sd_attn *attns,
+               const float *final_norm, float eps, const sd_mat *head, const int64_t *which,
+               int64_t n_which, float *logits) {
+    sd_block_buf u;
+    int64_t used_max = 0, H = blocks[0].hidden;
+    for (int64_t l = 0; l < n_layers; l++) {
+        if (blocks[l].head_dim > MAX_HEAD_DIM) return SD_ENOMEM;
+        used_max = attns[l].used > used_max ? attns[l].used : used_max;
+    }
+    if (block_buf_alloc(&u, &blocks[0], M, min_group(blocks, n_layers))) return SD_ENOMEM;
+    sd_scratch hs;
+    float *hx = (float *)malloc(sizeof(float) * (size_t)((n_which > 0 ? n_which : 1) * H));
+    if (!hx || scratch_alloc(&hs, n_which > 0 ? n_which : 1, head->k, head->group > 0 ? head->group : 32)) {
+        free(hx);
+        block_buf_free(&u);
+        return SD_ENOMEM;
+    }
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *s, *acc;
+        if (!thread_scratch(used_max, blocks[0].head_dim, &s, &acc)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            for (int64_t l = 0; l < n_layers; l++) {
+                block_in_region(x, M, &blocks[l], cos, sin, slots, &attns[l], &u, s, acc);
+            }
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n_which; i++) {
+                const float *xr = x + which[i] * H;
+                float ss = 0.0f;
+                for (int64_t d = 0; d < H; d++) ss = fmaf(xr[d], xr[d], ss);
+                float inv = 1.0f / sqrtf(ss / (float)H + eps);
+                for (int64_t d = 0; d < H; d++) hx[i * H + d] = (xr[d] * inv) * final_norm[d];
+            }
+            if (n_which > 0) matmul_in_region(hx, n_which, head, logits, head->n, 0, &hs);
+        }
+        free(s);
+        free(acc);
+    }
+    free(hx);
+    scratch_free(&hs);
+    block_buf_free(&u);
+    return failed ? SD_ENOMEM : 0;
 }

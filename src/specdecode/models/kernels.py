@@ -1,4 +1,4 @@
-"""The native runner's row-invariant kernels (kernels.c), built on first use and loaded.
+"""The native runner's row-invariant kernels (kernels.c), built on first use, tried, and loaded.
 
 Why C: PyTorch's CPU products and attention choose their kernels and blockings by shape (MKL's
 GEMV for one row, other micro-kernels for 2-3 rows and for multiples of 4; fbgemm's fp16 kernels;
@@ -8,44 +8,92 @@ operations whatever the shape (its header says how), which is what bit-exact spe
 and it runs a whole transformer block per call, which removes most of a decoding step's
 per-operator overhead.
 
-The library is compiled once per source, compiler, flags and CPU with the system C compiler
-(`cc`, or $CC) into the cache folder (`$SPECDECODE_CACHE/kernels`, default
-~/.cache/specdecode/kernels) and loaded with ctypes; OpenMP threads come from the same runtime as
-PyTorch's (libgomp, loaded by torch first), so `torch.set_num_threads` governs both. Where no
-compiler works, `library()` is None and `build_error()` says why: the runner then keeps
-PyTorch's kernels and its load-time invariance check reports the difference.
+Paths: the same source is compiled once per instruction set (PATHS: AVX-512 with VNNI,
+AVX-512, AVX2+FMA, scalar), each with explicit `-m` flags rather than `-march=native`, so a
+build holds no instruction its path does not name. At first use the best path this CPU's flags
+allow is compiled with the system C compiler (`cc`, or $CC) into the cache folder
+(`$SPECDECODE_CACHE/kernels`, else `$XDG_CACHE_HOME/specdecode/kernels`, else
+~/.cache/specdecode/kernels; the file keyed by source, flags, compiler and the CPU's flags), then
+tried in a child process (every weight kind, rows alone and in blocks, compared bit for bit): a
+path whose child dies (an instruction the CPU or the OS refuses, whatever its flags say) or whose
+rows differ is refused, said in the log, and the next path tried; the verdict is cached beside
+the library. The float kinds give the same bits on every path (vector lanes are output
+columns); so do the integer-activation kinds (exact int32 sums).
+
+`SPECDECODE_KERNEL_PATH=<name>` forces a path (an unknown one, or one this CPU cannot run, is an
+error); `SPECDECODE_NO_KERNELS=1` turns the kernels off (the runner then uses PyTorch's, which
+are not exact); `SPECDECODE_REQUIRE_KERNELS=1` makes a build or probe failure an error instead
+of a fallback (CI sets it). OpenMP threads come from the same runtime as PyTorch's (libgomp,
+loaded by torch first), so `torch.set_num_threads` governs both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import json
+import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from specdecode.errors import SpecDecodeError
+
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC",
-         "-shared")
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
+ABI = 2  # kernels.c SD_ABI
 PANEL = 16  # kernels.c: output columns per packed panel
-GROUP = 32  # kernels.c: inputs per scale of the 4-bit format
-KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I8G = 0, 1, 2, 3, 4
+GROUP = 32  # inputs per scale of the 4-bit and grouped int8 formats (Q6_K blocks: 16)
+QBLOCK = 32  # kernels.c: inputs per int8 scale of the a8 kinds' activations
+CHUNK = 64  # kernels.c: rows per pass
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I8G, KIND_Q4, KIND_Q8 = 0, 1, 2, 3, 4, 5, 6
+QUANT_KINDS = (KIND_Q4, KIND_Q8)  # integer activations: the "a8" precisions
 MAX_HEAD_DIM = 512  # kernels.c's per-row RoPE buffer
+ENOMEM = 1
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One instruction set the kernels are compiled for."""
+
+    name: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]  # /proc/cpuinfo flags the CPU must report
+    x86: bool = True
+
+
+PATHS = (
+    KernelPath("avx512vnni", (*_AVX512, "-mavx512vnni"),
+               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                "avx512_vnni")),
+    KernelPath("avx512", _AVX512, ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                   "avx512dq")),
+    KernelPath("avx2", _AVX2, ("avx2", "fma", "f16c")),
+    KernelPath("scalar", (), (), x86=False),
+)
+PATH_NAMES = tuple(p.name for p in PATHS)
+PATH_ENV = "SPECDECODE_KERNEL_PATH"
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+log = logging.getLogger(__name__)
 
 
 class SdMat(ctypes.Structure):
     _fields_ = [("w", _P), ("scale", _P), ("zero", _P), ("bias", _P), ("n", _I), ("k", _I),
-                ("kind", ctypes.c_int32), ("round_x", ctypes.c_int32)]
+                ("kind", ctypes.c_int32), ("round_x", ctypes.c_int32),
+                ("group", ctypes.c_int32), ("offset", ctypes.c_int32)]
 
 
 class SdAttn(ctypes.Structure):
@@ -59,21 +107,28 @@ class SdBlockW(ctypes.Structure):
                 ("qkv", SdMat), ("o", SdMat), ("gate_up", SdMat), ("down", SdMat)]
 
 
+class KernelError(SpecDecodeError):
+    """The kernels cannot be used as asked: a forced path that does not run here, a build that
+    failed where SPECDECODE_REQUIRE_KERNELS=1 requires them."""
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("SPECDECODE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "specdecode")
+    root = os.environ.get("SPECDECODE_CACHE")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "specdecode")
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.machine()
+    return frozenset()
 
 
 def _compiler() -> str | None:
@@ -81,59 +136,240 @@ def _compiler() -> str | None:
     return shutil.which(cc) or shutil.which("gcc")
 
 
-@functools.cache
-def _build() -> tuple[ctypes.CDLL | None, str | None]:
-    if os.environ.get("SPECDECODE_NO_KERNELS") == "1":
-        return None, "SPECDECODE_NO_KERNELS=1 is set"
-    cc = _compiler()
+def path_by_name(name: str) -> KernelPath:
+    for p in PATHS:
+        if p.name == name:
+            return p
+    raise KernelError(f"{PATH_ENV}={name}: no such kernel path (known: {', '.join(PATH_NAMES)})")
+
+
+def cpu_runs(path: KernelPath, flags: frozenset[str] | None = None) -> str | None:
+    """None if this CPU's flags allow `path`, else what it lacks."""
+    if not path.x86:
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return f"it is an x86 path and this machine is {platform.machine()}"
+    have = cpu_flags() if flags is None else flags
+    missing = [f for f in path.needs if f not in have]
+    return None if not missing else f"this CPU lacks {', '.join(missing)}"
+
+
+def compile_path(path: KernelPath, cc: str | None = None, extra: tuple[str, ...] = ()
+                 ) -> Path:
+    """The shared library of `path`, compiled now unless the cache holds it (`extra`: more
+    flags, e.g. the tests' deliberately broken variants)."""
+    cc = cc or _compiler()
     if cc is None:
-        return None, "no C compiler found (set CC, or install gcc)"
-    source = SOURCE.read_bytes()
+        raise KernelError("no C compiler found (set CC, or install gcc)")
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"the C compiler {cc} does not run: {e}"
+        raise KernelError(f"the C compiler {cc} does not run: {e}") from e
+    flags = (*FLAGS, *path.flags, *extra)
     key = hashlib.sha256(b"\0".join(
-        [source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]
-    )).hexdigest()[:16]
+        [SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
+         " ".join(sorted(cpu_flags())).encode(), path.name.encode()])).hexdigest()[:16]
     folder = _cache_dir()
-    target = folder / f"libspecdecode-{key}.so"
-    if not target.exists():
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                out = Path(tmp) / target.name
-                done = subprocess.run([cc, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
-                                      capture_output=True, text=True, timeout=300)
-                if done.returncode != 0:
-                    return None, f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-800:]}"
-                os.replace(out, target)  # atomic: another process may build the same file
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building {SOURCE.name} with {cc} failed: {e}"
+    target = folder / f"libspecdecode-{path.name}-{key}.so"
+    if target.exists():
+        return target
     try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as e:
-        return None, f"loading {target} failed: {e}"
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            out = Path(tmp) / target.name
+            done = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"],
+                                  capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise KernelError(f"{cc} failed to build {SOURCE.name} for the {path.name} "
+                                  f"path: {done.stderr.strip()[-800:]}")
+            os.replace(out, target)  # atomic: another process may build the same file
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelError(f"building {SOURCE.name} for the {path.name} path with {cc} "
+                          f"failed: {e}") from e
+    return target
+
+
+def open_library(target: Path) -> ctypes.CDLL:
+    """Load a kernels library and declare its functions; its constants must match ours."""
+    lib = ctypes.CDLL(str(target))
+    lib.sd_abi.restype = ctypes.c_int
+    if lib.sd_abi() != ABI:
+        raise KernelError(f"{target}: kernels ABI {lib.sd_abi()}, this package expects {ABI}")
+    consts = (ctypes.c_int64 * 6)()
+    lib.sd_constants(consts)
+    want = (ABI, PANEL, CHUNK, QBLOCK, MAX_HEAD_DIM, ctypes.sizeof(SdMat))
+    if tuple(consts) != want:
+        raise KernelError(f"{target}: kernels.c's constants {tuple(consts)} differ from "
+                          f"kernels.py's {want} (ABI, PANEL, CHUNK, QBLOCK, MAX_HEAD_DIM, "
+                          "sizeof(sd_mat))")
     lib.sd_matmul.argtypes = [_P, _I, ctypes.POINTER(SdMat), _P]
-    lib.sd_matmul.restype = None
+    lib.sd_matmul.restype = ctypes.c_int
     lib.sd_attention.argtypes = [_P, _I, _I, _I, _I, ctypes.POINTER(SdAttn), _P]
-    lib.sd_attention.restype = None
+    lib.sd_attention.restype = ctypes.c_int
     lib.sd_block.argtypes = [_P, _I, ctypes.POINTER(SdBlockW), _P, _P, _P,
                              ctypes.POINTER(SdAttn)]
-    lib.sd_block.restype = None
+    lib.sd_block.restype = ctypes.c_int
+    lib.sd_forward.argtypes = [_P, _I, _I, ctypes.POINTER(SdBlockW), _P, _P, _P,
+                               ctypes.POINTER(SdAttn), _P, ctypes.c_float,
+                               ctypes.POINTER(SdMat), _P, _I, _P]
+    lib.sd_forward.restype = ctypes.c_int
     lib.sd_has_avx2.restype = ctypes.c_int
-    return lib, None
+    lib.sd_isa.restype = ctypes.c_int
+    return lib
+
+
+# --- the child-process trial of a path -------------------------------------------------------
+
+def trial(lib: ctypes.CDLL) -> str | None:
+    """Every weight kind at 1..12 and 70 rows: None if each row alone equals the same row in
+    every block, else what differed. Run in a child (a fault must not kill the caller)."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 40, 64
+    x = torch.randn(70, k, generator=gen)
+    codes4 = torch.randint(0, 16, (n, k), generator=gen)
+    codes8 = torch.randint(-127, 128, (n, k), generator=gen)
+    s, z = torch.rand(n, k // 32, generator=gen), torch.randn(n, k // 32, generator=gen)
+    s16, z16 = torch.rand(n, k // 16, generator=gen), torch.randn(n, k // 16, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    cases = {
+        "f32": pack_float(w, torch.float32), "bf16": pack_float(w, torch.bfloat16, round_x=True),
+        "i8": pack_int8(codes8, s[:, 0]), "i4": pack_int4(codes4, s, z),
+        "i8g16": pack_int8_groups(codes8, s16, z16, group=16),
+        "q4": pack_q4(codes4, s, z, offset=8), "q8": pack_q8(codes8 + 128, s16, None,
+                                                           offset=128, group=16),
+    }
+    for name, panels in cases.items():
+        mat = panels.struct()
+
+        def run(rows: torch.Tensor, mat: SdMat = mat) -> torch.Tensor:
+            y = torch.empty(rows.shape[0], n)
+            if lib.sd_matmul(rows.contiguous().data_ptr(), rows.shape[0], ctypes.byref(mat),
+                             y.data_ptr()):
+                raise MemoryError("kernels: out of memory")
+            return y
+
+        full = run(x)
+        if not torch.isfinite(full).all():
+            return f"{name}: non-finite products"
+        for rows in (*range(1, 13), 70):
+            if not torch.equal(run(x[:rows]), full[:rows]):
+                return f"{name}: {rows} rows differ from the same rows among 70"
+    return None
+
+
+def _trial_in_child(target: Path) -> str | None:
+    code = ("import sys; from pathlib import Path; from specdecode.models import kernels as k; "
+            "why = k.trial(k.open_library(Path(sys.argv[1]))); print(why or 'ok')")
+    env = {key: v for key, v in os.environ.items() if key != "PYTHONFAULTHANDLER"}
+    env["OMP_NUM_THREADS"] = "2"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True,
+                              text=True, timeout=300, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return "the trial hung for 300 s"
+    if done.returncode < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        return f"the trial was killed by {name}"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return f"the trial failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+    return None if lines[-1] == "ok" else lines[-1]
+
+
+def tried(path: KernelPath, target: Path) -> str | None:
+    """The cached verdict of `target`'s trial in a child process (None: it runs)."""
+    verdict = target.with_suffix(".trial.json")
+    try:
+        return json.loads(verdict.read_text(encoding="utf-8"))["failure"]  # type: ignore[no-any-return]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    failure = _trial_in_child(target)
+    with contextlib.suppress(OSError):  # an unwritable cache only costs a trial next time
+        verdict.write_text(json.dumps({"path": path.name, "failure": failure}), encoding="utf-8")
+    return failure
+
+
+@dataclass(frozen=True)
+class Loaded:
+    lib: ctypes.CDLL | None
+    path: str | None
+    error: str | None
+    refused: tuple[str, ...] = ()  # "name: why" of the paths tried and refused first
+
+
+def _candidates() -> list[KernelPath]:
+    forced = os.environ.get(PATH_ENV)
+    if forced:
+        path = path_by_name(forced.strip())
+        why = cpu_runs(path)
+        if why is not None:
+            raise KernelError(f"{PATH_ENV}={forced}: the {path.name} path cannot run here: {why}")
+        return [path]
+    return [p for p in PATHS if cpu_runs(p) is None]
+
+
+def _load() -> Loaded:
+    if os.environ.get("SPECDECODE_NO_KERNELS") == "1":
+        return Loaded(None, None, "SPECDECODE_NO_KERNELS=1 is set")
+    refused: list[str] = []
+    for path in _candidates():
+        try:
+            target = compile_path(path)
+            failure = tried(path, target)
+            if failure is not None and failure.startswith("the trial failed"):
+                # a damaged cached library (a half-written file, another build's leftovers):
+                # built again once, tried again
+                target.unlink(missing_ok=True)
+                target.with_suffix(".trial.json").unlink(missing_ok=True)
+                target = compile_path(path)
+                failure = tried(path, target)
+            if failure is None:
+                if refused:
+                    log.warning("kernels: using the %s path; refused first: %s", path.name,
+                                "; ".join(refused))
+                return Loaded(open_library(target), path.name, None, tuple(refused))
+        except (KernelError, OSError) as e:
+            failure = str(e)
+        refused.append(f"{path.name}: {failure}")
+        log.warning("kernels: the %s path is refused: %s", path.name, failure)
+    return Loaded(None, None, "no kernel path runs here (" + "; ".join(refused) + ")",
+                  tuple(refused))
+
+
+@functools.cache
+def _loaded() -> Loaded:
+    required = os.environ.get("SPECDECODE_REQUIRE_KERNELS") == "1"
+    try:
+        loaded = _load()
+    except KernelError as e:
+        if required or os.environ.get(PATH_ENV):
+            raise
+        loaded = Loaded(None, None, str(e))
+    if loaded.lib is None and required:
+        raise KernelError(f"SPECDECODE_REQUIRE_KERNELS=1 and the kernels are unavailable: "
+                          f"{loaded.error}")
+    return loaded
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot be built here (see build_error)."""
-    return _build()[0]
+    return _loaded().lib
 
 
 def build_error() -> str | None:
     """Why the kernels are unavailable, or None."""
-    return _build()[1]
+    return _loaded().error
+
+
+def path_name() -> str | None:
+    """The kernel path in use ("avx512vnni", "avx512", "avx2", "scalar"), or None."""
+    return _loaded().path
 
 
 def available() -> bool:
@@ -145,6 +381,13 @@ def _lib() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"the row-invariant kernels are unavailable: {build_error()}")
     return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == ENOMEM:
+        raise MemoryError(f"kernels: {what} could not allocate its scratch memory")
+    if rc:
+        raise RuntimeError(f"kernels: {what} failed (code {rc})")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -159,10 +402,12 @@ class Panels:
     w: torch.Tensor
     n: int
     k: int
-    scale: torch.Tensor | None = None  # I8: (P * 16,); I4, I8G: (P, k / 32, 16)
-    zero: torch.Tensor | None = None  # I4: (P, k / 32, 16)
+    scale: torch.Tensor | None = None  # I8: (P * 16,); grouped kinds: (P, k / group, 16)
+    zero: torch.Tensor | None = None  # grouped kinds with zeros: (P, k / group, 16)
     bias: torch.Tensor | None = None  # (n,) fp32
     round_x: bool = False  # inputs rounded to bf16 (the "a16" precisions)
+    group: int = 0  # inputs per scale (grouped and a8 kinds)
+    offset: int = 0  # a8 kinds: value = code - offset
 
     @property
     def nbytes(self) -> int:
@@ -171,7 +416,7 @@ class Panels:
 
     def struct(self) -> SdMat:
         return SdMat(_ptr(self.w), _ptr(self.scale), _ptr(self.zero), _ptr(self.bias), self.n,
-                     self.k, self.kind, int(self.round_x))
+                     self.k, self.kind, int(self.round_x), self.group, self.offset)
 
 
 def _panelled(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
@@ -185,6 +430,16 @@ def _panelled(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float().contiguous()
+
+
+def _group_table(t: torch.Tensor | None) -> torch.Tensor | None:
+    """(n, groups) per-group values as (P, groups, 16) fp32."""
+    return None if t is None else _panelled(t.float()).transpose(1, 2).contiguous()
+
+
+def _check_groups(k: int, group: int, what: str) -> None:
+    if group not in (16, 32) or k % group:
+        raise ValueError(f"{what} need groups of 16 or 32 inputs dividing {k}, got {group}")
 
 
 def pack_float(weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -206,62 +461,108 @@ def pack_int8(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | No
 
 
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              bias: torch.Tensor | None = None, round_x: bool = True) -> Panels:
-    """4-bit codes 0..15 per (n, k), with a scale and a zero per output and group of 32
-    inputs, (n, k / 32) each: w[n][k] = codes[n][k] * scales[n][k // 32] + zeros[n][k // 32]."""
+              bias: torch.Tensor | None = None, round_x: bool = True, group: int = GROUP
+              ) -> Panels:
+    """4-bit codes 0..15 per (n, k), with a scale and a zero per output and group of `group`
+    inputs, (n, k / group) each: w[n][k] = codes[n][k] * scales[n][k // group] + zeros[...]."""
     n, k = codes.shape
-    if k % GROUP:
-        raise ValueError(f"4-bit panels need inputs divisible by {GROUP}, got {k}")
+    _check_groups(k, group, "4-bit panels")
     c = _panelled(codes.to(torch.uint8)).transpose(1, 2)  # (P, k, 16)
     w = (c[..., :8] | (c[..., 8:] << 4)).contiguous()  # (P, k, 8)
-    return Panels(KIND_I4, w, n, k, scale=_panelled(scales.float()).transpose(1, 2).contiguous(),
-                  zero=_panelled(zeros.float()).transpose(1, 2).contiguous(), bias=_bias(bias),
-                  round_x=round_x)
+    return Panels(KIND_I4, w, n, k, scale=_group_table(scales), zero=_group_table(zeros),
+                  bias=_bias(bias), round_x=round_x, group=group)
 
 
 def pack_int8_groups(codes: torch.Tensor, scales: torch.Tensor,
-                     bias: torch.Tensor | None = None, round_x: bool = False) -> Panels:
-    """int8 codes per (n, k) with a scale per output and group of 32 inputs, (n, k / 32):
-    w[n][k] = codes[n][k] * scales[n][k // 32] (the layout of GGUF's Q8_0 blocks)."""
+                     zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     round_x: bool = False, group: int = GROUP) -> Panels:
+    """int8 codes per (n, k) with a scale (and optionally a zero) per output and group of
+    `group` inputs, (n, k / group): w[n][k] = codes[n][k] * scales[n][k // group] (+ zero)
+    (GGUF's Q8_0 blocks; Q5_x and Q6_K with their offsets applied to the codes)."""
     n, k = codes.shape
-    if k % GROUP:
-        raise ValueError(f"grouped int8 panels need inputs divisible by {GROUP}, got {k}")
+    _check_groups(k, group, "grouped int8 panels")
     w = _panelled(codes.to(torch.int8)).transpose(1, 2).contiguous()  # (P, k, 16)
-    return Panels(KIND_I8G, w, n, k, scale=_panelled(scales.float()).transpose(1, 2).contiguous(),
-                  bias=_bias(bias), round_x=round_x)
+    return Panels(KIND_I8G, w, n, k, scale=_group_table(scales), zero=_group_table(zeros),
+                  bias=_bias(bias), round_x=round_x, group=group)
+
+
+def _quads(codes: torch.Tensor) -> torch.Tensor:
+    """(n, k) byte codes as (P, k / 4, 16, 4): quad i of inputs 4i..4i+3 of each column."""
+    k = codes.shape[1]
+    c = _panelled(codes.to(torch.uint8))  # (P, 16, k)
+    return c.view(c.shape[0], PANEL, k // 4, 4).transpose(1, 2).contiguous()
+
+
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP) -> Panels:
+    """Byte codes 0..255 for the integer-activation (a8) products: w[n][k] = (codes[n][k] -
+    offset) * scales[n][k // group] (+ zeros[...])."""
+    n, k = codes.shape
+    _check_groups(k, group, "a8 panels")
+    if k % QBLOCK:
+        raise ValueError(f"a8 panels need inputs divisible by {QBLOCK}, got {k}")
+    if codes.min() < 0 or codes.max() > 255:
+        raise ValueError("a8 byte codes must lie in 0..255")
+    return Panels(KIND_Q8, _quads(codes), n, k, scale=_group_table(scales),
+                  zero=_group_table(zeros), bias=_bias(bias), group=group, offset=offset)
+
+
+def pack_q4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP) -> Panels:
+    """4-bit codes 0..15 for the a8 products: w = (code - offset) * scale (+ zero); octet i of
+    inputs 8i..8i+7: input 8i + j in the low nibble of byte j, 8i + 4 + j in the high one."""
+    n, k = codes.shape
+    _check_groups(k, group, "a8 panels")
+    if k % QBLOCK:
+        raise ValueError(f"a8 panels need inputs divisible by {QBLOCK}, got {k}")
+    q = _quads(codes)  # (P, k / 4, 16, 4)
+    w = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # (P, k / 8, 16, 4)
+    return Panels(KIND_Q4, w, n, k, scale=_group_table(scales), zero=_group_table(zeros),
+                  bias=_bias(bias), group=group, offset=offset)
+
+
+def _per_group(t: torch.Tensor | None, p: Panels) -> torch.Tensor | None:
+    return None if t is None else t.transpose(1, 2).reshape(-1, p.k // p.group)[: p.n]
 
 
 def group_scales(p: Panels) -> torch.Tensor:
-    """(n, k / 32) scales of I4 or I8G panels."""
-    assert p.scale is not None
-    return p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
+    """(n, k / group) scales of grouped or a8 panels."""
+    out = _per_group(p.scale, p)
+    assert out is not None
+    return out
 
 
 def codes_of(p: Panels) -> torch.Tensor:
-    """The (n, k) weight values (F32, BF16) or integer codes (I8, I4) the panels hold."""
+    """The (n, k) weight values (F32, BF16) or integer codes the panels hold (a8 kinds: the
+    stored codes, before their offset)."""
     if p.kind == KIND_I4:
         lo, hi = p.w & 0xF, p.w >> 4
         flat = torch.cat([lo, hi], dim=-1)  # (P, k, 16)
+    elif p.kind in QUANT_KINDS:
+        q = p.w
+        if p.kind == KIND_Q4:
+            q = torch.stack([q & 0xF, q >> 4], dim=2).reshape(q.shape[0], p.k // 4, PANEL, 4)
+        return q.transpose(1, 2).reshape(-1, p.k)[: p.n]
     else:
         flat = p.w
     return flat.transpose(1, 2).reshape(-1, p.k)[: p.n]
 
 
 def weight_of(p: Panels) -> torch.Tensor:
-    """The (n, k) fp32 weight the panels multiply by, as the kernel computes it (for int4,
-    codes * scale + zero)."""
+    """The (n, k) fp32 weight the panels multiply by, as the kernel holds it (codes * scale,
+    + zero where there are zeros; a8 kinds: (code - offset) * scale + zero)."""
     c = codes_of(p).float()
     if p.kind == KIND_I8:
         assert p.scale is not None
         return c * p.scale[: p.n, None]
-    if p.kind == KIND_I8G:
-        return c * group_scales(p).repeat_interleave(GROUP, 1)
-    if p.kind == KIND_I4:
-        assert p.scale is not None and p.zero is not None
-        scale = p.scale.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
-        zero = p.zero.transpose(1, 2).reshape(-1, p.k // GROUP)[: p.n]
-        return torch.addcmul(zero.repeat_interleave(GROUP, 1), c,
-                             scale.repeat_interleave(GROUP, 1))
+    if p.kind in (KIND_I4, KIND_I8G, *QUANT_KINDS):
+        if p.kind in QUANT_KINDS:
+            c = c - p.offset
+        scale = group_scales(p).repeat_interleave(p.group, 1)
+        zero = _per_group(p.zero, p)
+        if zero is None:
+            return c * scale
+        return torch.addcmul(zero.repeat_interleave(p.group, 1), c, scale)
     return c
 
 
@@ -278,7 +579,8 @@ def matmul(x: torch.Tensor, panels: Panels) -> torch.Tensor:
     y = torch.empty(x2.shape[0], panels.n, dtype=torch.float32)
     if x2.shape[0]:
         mat = panels.struct()
-        _lib().sd_matmul(x2.data_ptr(), x2.shape[0], ctypes.byref(mat), y.data_ptr())
+        _check(_lib().sd_matmul(x2.data_ptr(), x2.shape[0], ctypes.byref(mat), y.data_ptr()),
+               "a product")
     return y.view(*x.shape[:-1], panels.n)
 
 
@@ -305,7 +607,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     m = None if mask is None else mask.to(torch.uint8).contiguous()
     spec = attn_spec(k_cache, v_cache, rows, m, used)
     out = torch.empty(r, nh, d, dtype=torch.float32)
-    _lib().sd_attention(q.data_ptr(), q.stride(0), r, nh, d, ctypes.byref(spec), out.data_ptr())
+    _check(_lib().sd_attention(q.data_ptr(), q.stride(0), r, nh, d, ctypes.byref(spec),
+                               out.data_ptr()), "attention")
     return out
 
 
@@ -314,5 +617,22 @@ def block(x: torch.Tensor, weights: SdBlockW, cos: torch.Tensor, sin: torch.Tens
     """Apply one transformer block to x (M, hidden) fp32 contiguous, in place (kernels.c
     sd_block); cos, sin (M, head_dim) contiguous; slots (M,) int64: where each row's key and
     value go in its cache row."""
-    _lib().sd_block(x.data_ptr(), x.shape[0], ctypes.byref(weights), cos.data_ptr(),
-                    sin.data_ptr(), slots.data_ptr(), ctypes.byref(spec))
+    _check(_lib().sd_block(x.data_ptr(), x.shape[0], ctypes.byref(weights), cos.data_ptr(),
+                           sin.data_ptr(), slots.data_ptr(), ctypes.byref(spec)), "a block")
+
+
+def forward(x: torch.Tensor, blocks: ctypes.Array[SdBlockW], cos: torch.Tensor,
+            sin: torch.Tensor, slots: torch.Tensor, specs: ctypes.Array[SdAttn],
+            final_norm: torch.Tensor, eps: float, head: Panels, which: torch.Tensor
+            ) -> torch.Tensor:
+    """Every block, the final norm and the head in one call (kernels.c sd_forward): x (M,
+    hidden) fp32 contiguous (overwritten), `which` (W,) int64 the rows whose logits are
+    returned, (W, vocab)."""
+    which = which.to(torch.int64).contiguous()
+    logits = torch.empty(which.numel(), head.n, dtype=torch.float32)
+    mat = head.struct()
+    _check(_lib().sd_forward(x.data_ptr(), x.shape[0], len(blocks), blocks, cos.data_ptr(),
+                             sin.data_ptr(), slots.data_ptr(), specs, final_norm.data_ptr(),
+                             eps, ctypes.byref(mat), which.data_ptr(), which.numel(),
+                             logits.data_ptr()), "a forward pass")
+    return logits

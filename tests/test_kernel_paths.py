@@ -1,0 +1,268 @@
+"""Every kernel path (models.kernels PATHS) computes the same bits as the portable scalar build,
+for every weight kind, for attention and for a whole block; the integer-activation (a8) kinds
+compute what they claim; a path is chosen, forced and refused as documented; and the trial that
+admits a path catches the two ways a path could break row-invariance (deliberately broken
+builds: a row-coupled activation scale, a width-dependent blocking).
+
+A path's tests skip on a CPU without its instructions, naming them; the scalar and AVX2 paths
+run wherever the CPU does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models import kernels
+from specdecode.models.kernels import Panels
+
+pytestmark = pytest.mark.skipif(kernels._compiler() is None, reason="no C compiler")
+
+N, K = 40, 128
+
+
+def _lib(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    path = kernels.path_by_name(name)
+    why = kernels.cpu_runs(path)
+    if why is not None:
+        pytest.skip(f"the {name} path cannot run here: {why}")
+    return kernels.open_library(kernels.compile_path(path, extra=extra))
+
+
+@pytest.fixture(scope="module")
+def scalar() -> ctypes.CDLL:
+    return _lib("scalar")
+
+
+def _cases() -> dict[str, Panels]:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(N, K, generator=gen)
+    bias = torch.randn(N, generator=gen)
+    c4 = torch.randint(0, 16, (N, K), generator=gen)
+    c8 = torch.randint(-127, 128, (N, K), generator=gen)
+    c6 = torch.randint(0, 64, (N, K), generator=gen)
+    s32, z32 = torch.rand(N, K // 32, generator=gen) * 0.1, torch.randn(N, K // 32, generator=gen)
+    s16, z16 = torch.rand(N, K // 16, generator=gen) * 0.1, torch.randn(N, K // 16, generator=gen)
+    return {
+        "f32": kernels.pack_float(w, torch.float32, bias),
+        "bf16": kernels.pack_float(w, torch.bfloat16, bias, round_x=True),
+        "i8": kernels.pack_int8(c8, s32[:, 0], bias),
+        "i4": kernels.pack_int4(c4, s32, z32, bias, round_x=False),
+        "i4-g16": kernels.pack_int4(c4, s16, z16, group=16, round_x=False),
+        "i8g": kernels.pack_int8_groups(c8, s32, bias=bias),
+        "i8g-g16-zero": kernels.pack_int8_groups(c6 - 32, s16, z16, group=16),
+        "q4": kernels.pack_q4(c4, s32, None, bias, offset=8),
+        "q4-zero": kernels.pack_q4(c4, s32, z32),
+        "q4-g16": kernels.pack_q4(c4, s16, z16, group=16),
+        "q8": kernels.pack_q8(c8 + 128, s32, None, bias, offset=128),
+        "q8-g16": kernels.pack_q8(c6, s16, None, offset=32, group=16),
+        "q8-zero": kernels.pack_q8(c6, s32, z32),
+    }
+
+
+CASES = _cases()
+X = torch.randn(70, K, generator=torch.Generator().manual_seed(4)) * 2
+
+
+def _matmul(lib: ctypes.CDLL, x: torch.Tensor, p: Panels) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], p.n)
+    mat = p.struct()
+    assert lib.sd_matmul(x.data_ptr(), x.shape[0], ctypes.byref(mat), y.data_ptr()) == 0
+    return y
+
+
+@pytest.mark.parametrize("name", [p.name for p in kernels.PATHS])
+def test_every_path_computes_the_scalar_builds_bits(name: str, scalar: ctypes.CDLL) -> None:
+    lib = _lib(name)
+    for case, panels in CASES.items():
+        ref = _matmul(scalar, X, panels)
+        for rows in (1, 2, 3, 5, 9, 13, 70):
+            got = _matmul(lib, X[:rows], panels)
+            assert torch.equal(got, ref[:rows]), (name, case, rows)
+    q = torch.randn(9, 6, 16, generator=torch.Generator().manual_seed(5))
+    kc, vc = torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
+    rows = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1, 1])
+    mask = (torch.rand(9, 30) > 0.3).to(torch.uint8)
+    mask[:, 0] = 1
+    spec = kernels.attn_spec(kc, vc, rows, mask, 30)
+    outs = []
+    for lib_ in (scalar, lib):
+        out = torch.empty(9, 6, 16)
+        assert lib_.sd_attention(q.data_ptr(), 6 * 16, 9, 6, 16, ctypes.byref(spec),
+                                 out.data_ptr()) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), name
+    for a8 in (False, True):
+        blk = _block_weights(a8)
+        assert torch.equal(_run_block(scalar, blk), _run_block(lib, blk)), (name, a8)
+
+
+def _block_weights(a8: bool) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(6 + a8)
+    H, NH, KVH, D, inter = 64, 4, 2, 16, 96
+
+    def mat(n: int, k: int) -> Panels:
+        if a8:
+            codes = torch.randint(0, 16, (n, k), generator=gen)
+            return kernels.pack_q4(codes, torch.rand(n, k // 32, generator=gen) * 0.05, None,
+                                   offset=8)
+        return kernels.pack_float(torch.randn(n, k, generator=gen) * 0.1, torch.float32)
+
+    mats = {"qkv": mat((NH + 2 * KVH) * D, H), "o": mat(H, NH * D),
+            "gate_up": mat(2 * inter, H), "down": mat(H, inter)}
+    norms = (torch.rand(H, generator=gen) + 0.5, torch.rand(H, generator=gen) + 0.5)
+    w = kernels.SdBlockW(H, NH, KVH, D, inter, 1e-5, norms[0].data_ptr(), norms[1].data_ptr(),
+                         *(m.struct() for m in mats.values()))
+    return {"w": w, "keep": (mats, norms), "x": torch.randn(5, H, generator=gen),
+            "shape": (H, KVH, D)}
+
+
+def _run_block(lib: ctypes.CDLL, blk: dict[str, Any]) -> torch.Tensor:
+    _, KVH, D = blk["shape"]
+    x = blk["x"].clone()
+    kc, vc = torch.zeros(1, KVH, 8, D), torch.zeros(1, KVH, 8, D)
+    rows, slots = torch.zeros(5, dtype=torch.int64), torch.arange(5, dtype=torch.int64)
+    mask = torch.tril(torch.ones(5, 5, dtype=torch.uint8))
+    spec = kernels.attn_spec(kc, vc, rows, mask, 5)
+    cos, sin = torch.ones(5, D), torch.zeros(5, D)
+    assert lib.sd_block(x.data_ptr(), 5, ctypes.byref(blk["w"]), cos.data_ptr(), sin.data_ptr(),
+                        slots.data_ptr(), ctypes.byref(spec)) == 0
+    return x
+
+
+def _a8_reference(x: torch.Tensor, p: Panels) -> torch.Tensor:
+    """What the a8 kinds claim: each row's inputs rounded to int8 per block of 32 (in fp32 as
+    the kernels do: d = max|x| / 127, codes x * (127 / max|x|) rounded half to even), then the
+    exact product with (code - offset) * scale (+ zero), in float64."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    q = torch.where(amax > 0, torch.round(xb * (127 / amax)), torch.zeros_like(xb))
+    xq = (q.double() * d.double()).view_as(x)
+    out = xq @ kernels.weight_of(p).double().T
+    return out if p.bias is None else out + p.bias.double()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("q")])
+def test_a8_products_are_what_they_claim(case: str) -> None:
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.build_error()}")
+    p = CASES[case]
+    got = kernels.matmul(X, p).double()
+    ref = _a8_reference(X, p)
+    scale = ref.abs().max()
+    assert float((got - ref).abs().max()) < 2e-5 * float(scale), case
+
+
+def test_a8_unlike_the_float_kinds_rounds_the_activations() -> None:
+    """The a8 product is not the float product of the same weights (a check that the integer
+    path really runs): their difference is the activations' rounding."""
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.build_error()}")
+    gen = torch.Generator().manual_seed(9)
+    codes = torch.randint(0, 16, (N, K), generator=gen)
+    s, z = torch.rand(N, K // 32, generator=gen) * 0.1, torch.randn(N, K // 32, generator=gen)
+    a8 = kernels.matmul(X[:4], kernels.pack_q4(codes, s, z))
+    f32 = kernels.matmul(X[:4], kernels.pack_int4(codes, s, z, round_x=False))
+    assert not torch.equal(a8, f32)
+    torch.testing.assert_close(a8, f32, rtol=0.05, atol=0.05 * float(f32.abs().max()))
+
+
+@pytest.mark.parametrize("broken", ["-DSD_BROKEN_ROW_COUPLED", "-DSD_BROKEN_WIDTH"])
+def test_the_trial_refuses_a_build_that_is_not_row_invariant(broken: str) -> None:
+    """The trial a path must pass before use (kernels.trial, run in a child at first use)
+    catches a row-coupled activation scale and a width-dependent blocking, built on purpose;
+    the same trial passes the real build of the same path."""
+    name = kernels.path_name() or "scalar"
+    good = _lib(name)
+    assert kernels.trial(good) is None
+    failure = kernels.trial(_lib(name, (broken,)))
+    assert failure is not None and "differ" in failure, failure
+
+
+def test_a_forced_path_is_used_or_refused_with_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDECODE_KERNEL_PATH", "avx1024")
+    with pytest.raises(SpecDecodeError, match=r"avx1024: no such kernel path .*known: "
+                                              r"avx512vnni, avx512, avx2, scalar"):
+        kernels._load()
+    monkeypatch.setenv("SPECDECODE_KERNEL_PATH", "avx512vnni")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    with pytest.raises(SpecDecodeError, match="avx512vnni path cannot run here: this CPU "
+                                              "lacks avx512f, avx512bw"):
+        kernels._load()
+    monkeypatch.setenv("SPECDECODE_KERNEL_PATH", "scalar")
+    loaded = kernels._load()
+    assert loaded.path == "scalar" and loaded.lib is not None and loaded.lib.sd_isa() == 0
+
+
+def test_a_path_refused_by_its_trial_falls_to_the_next_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("SPECDECODE_KERNEL_PATH", raising=False)
+    candidates = kernels._candidates()
+    if len(candidates) < 2:
+        pytest.skip("this CPU runs one kernel path only")
+    first = candidates[0].name
+    real: Callable[[kernels.KernelPath, Path], str | None] = kernels.tried
+    monkeypatch.setattr(kernels, "tried", lambda path, target: (
+        "killed by SIGILL" if path.name == first else real(path, target)))
+    with caplog.at_level(logging.WARNING, logger="specdecode.models.kernels"):
+        loaded = kernels._load()
+    assert loaded.path == candidates[1].name
+    assert loaded.refused == (f"{first}: killed by SIGILL",)
+    assert f"the {first} path is refused: killed by SIGILL" in caplog.text
+
+
+def test_a_damaged_cached_library_is_built_again(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECDECODE_KERNEL_PATH", "scalar")
+    target = kernels.compile_path(kernels.path_by_name("scalar"))
+    target.write_bytes(b"not a shared library")  # as a half-written file would be
+    loaded = kernels._load()
+    assert loaded.lib is not None and loaded.path == "scalar"
+    assert target.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_the_cache_folder_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SPECDECODE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernels._cache_dir() == tmp_path / "specdecode" / "kernels"
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "own"))
+    assert kernels._cache_dir() == tmp_path / "own" / "kernels"
+
+
+def test_required_kernels_make_a_failure_an_error(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails every build
+    monkeypatch.setattr(kernels, "_compiler", lambda: "/bin/false")
+    monkeypatch.delenv("SPECDECODE_KERNEL_PATH", raising=False)
+    kernels._loaded.cache_clear()
+    try:
+        monkeypatch.delenv("SPECDECODE_REQUIRE_KERNELS", raising=False)
+        assert kernels.library() is None and "failed to build" in (kernels.build_error() or "")
+        kernels._loaded.cache_clear()
+        monkeypatch.setenv("SPECDECODE_REQUIRE_KERNELS", "1")
+        with pytest.raises(SpecDecodeError, match="SPECDECODE_REQUIRE_KERNELS=1 and the kernels "
+                                                  "are unavailable"):
+            kernels.library()
+    finally:
+        kernels._loaded.cache_clear()
+
+
+def test_kernels_c_and_kernels_py_agree_on_their_constants(
+        monkeypatch: pytest.MonkeyPatch, scalar: ctypes.CDLL) -> None:
+    target = kernels.compile_path(kernels.path_by_name("scalar"))
+    kernels.open_library(target)  # agrees
+    monkeypatch.setattr(kernels, "MAX_HEAD_DIM", 256)
+    with pytest.raises(SpecDecodeError, match=r"constants .* differ"):
+        kernels.open_library(target)
