@@ -224,7 +224,8 @@ def test_cost_curves_run_at_every_precision(
     from specdecode.bench.hardware import machine_summary
     from specdecode.calibration import forward_costs
 
-    curves = [forward_costs(apply_precision(tiny, p), 2, 16, 3, 3) for p in precision.NATIVE_NAMES]
+    curves = [forward_costs(apply_precision(tiny, p), 2, 16, 3, 3) for p in
+              precision.native_names()]
     for rows in curves:
         assert [r["k"] for r in rows] == [1, 2, 3] and rows[0]["v"] == 1.0
         assert all(r["min_s"] <= r["median_s"] <= r["max_s"] and r["first_s"] > 0 for r in rows)

@@ -624,7 +624,7 @@ def audit_command(header: RunHeader, spec: ConfigSpec, verdict: AuditVerdict,
     argv = ["specdecode", "audit"]
     if details.get("source"):
         argv += ["--model", str(details["source"])]
-    target = backends.target_of_precision(spec.precision) if spec.target else None
+    target = backends.bench_target(spec.target) if spec.target else None
     if target is not None:  # a run of several targets: this configuration's own
         argv += ["--precision", target.precision, "--backend", target.backend.name]
     else:

@@ -24,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--precision", default=precision.AUTO,
-                   help=f"{' | '.join(precision.CHOICES)} (default auto: "
+                   help=f"{' | '.join(precision.choices())} (default auto: "
                         f"{precision.NATIVE_DEFAULT} where the row-invariant kernels build, else "
                         f"{precision.REFERENCE.name}; with --backend llama.cpp: the GGUF's own; "
                         "docs/cli.md#precisions)")

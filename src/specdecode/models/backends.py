@@ -52,7 +52,7 @@ class Backend:
     name: str
     summary: str
     load: Callable[[LoadRequest], LoadedModel]
-    takes: tuple[str, ...]
+    takes: Callable[[], tuple[str, ...]]  # the precisions --precision may name (read on use)
     auto_precision: Callable[[], str]
     invariance: str
     precision_note: str = ""
@@ -73,13 +73,14 @@ class Backend:
         naming the value where this backend does not take it."""
         if asked == precisions.AUTO:
             return self.auto_precision()
-        if asked not in self.takes and asked not in precisions.BY_NAME:
+        takes = self.takes()
+        if asked not in takes and precisions.find(asked) is None:
             raise SpecDecodeError(f"unknown precision '{asked}' (supported: "
-                                  f"{', '.join((precisions.AUTO, *self.takes))})")
-        if asked not in self.takes:
+                                  f"{', '.join((precisions.AUTO, *takes))})")
+        if asked not in takes:
             raise SpecDecodeError(
                 f"--precision {asked} does not apply to the {self.name} backend: "
-                f"{self.precision_note}(it takes: {', '.join((precisions.AUTO, *self.takes))})")
+                f"{self.precision_note}(it takes: {', '.join((precisions.AUTO, *takes))})")
         return self.runs_as or asked
 
 
@@ -172,19 +173,19 @@ def _gguf() -> str:
 
 NATIVE = Backend(
     precisions.NATIVE, "this project's PyTorch runner for the Llama family, on the row-invariant "
-    "kernels where they build", load_on_native, precisions.NATIVE_NAMES, precisions.native_default,
+    "kernels where they build", load_on_native, precisions.native_names, precisions.native_default,
     "measured at load (models.invariance: the target's check_invariance)", automatic=True,
     bench_per_precision=True)
 TRANSFORMERS = Backend(
     "transformers", "Hugging Face transformers' own model, for families without a native runner",
-    load_on_transformers, (precisions.REFERENCE.name,), _reference,
+    load_on_transformers, lambda: (precisions.REFERENCE.name,), _reference,
     "PyTorch's kernels: not row-invariant bit for bit (models.invariance measures it)",
     "it runs the checkpoint in fp32 ", runs_as=precisions.REFERENCE.name, automatic=True)
 LLAMACPP = Backend(
     "llama.cpp", "the GGUF on llama.cpp (llama-cpp-python), docs/llamacpp.md", load_on_llamacpp,
     # the reference's name is taken too: a GGUF's fp32 reference is the file's own weights
     # de-quantized exactly, which llama.cpp runs (load_model's default precision is fp32)
-    ("gguf", precisions.REFERENCE.name), _gguf,
+    lambda: (_gguf(), precisions.REFERENCE.name), _gguf,
     "measured at load (models.llamacpp.batch_invariance)",
     "it runs the GGUF's own quantization (pick another GGUF file for another precision) ",
     runs_as="gguf", aliases=("llamacpp",), bench_target="llama.cpp",
@@ -245,7 +246,7 @@ def bench_targets() -> tuple[BenchTarget, ...]:
     out: list[BenchTarget] = []
     for backend in BACKENDS:
         if backend.bench_per_precision:
-            out += [BenchTarget(p, backend, p) for p in backend.takes]
+            out += [BenchTarget(p, backend, p) for p in backend.takes()]
         elif backend.bench_target is not None:
             out.append(BenchTarget(backend.bench_target, backend, backend.auto_precision()))
     return tuple(out)
@@ -265,9 +266,3 @@ def peer_target() -> BenchTarget:
     """The target whose backend has a peer (llama-cpp-python's own decoding), which bench
     loads to measure the peer beside the targets."""
     return next(t for t in bench_targets() if t.peer is not None)
-
-
-def target_of_precision(name: str) -> BenchTarget | None:
-    """The bench target a configuration's precision runs on (a run of several targets records
-    each configuration's precision): the per-precision target, else the backend's own."""
-    return next((t for t in bench_targets() if t.precision == name), None)

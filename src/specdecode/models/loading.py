@@ -246,9 +246,10 @@ def why_inexact(model: Target) -> str:
     """The known cause of a measured non-invariance, in words a user can act on."""
     from specdecode.models import kernels
     from specdecode.models.llama import LlamaModel
+    from specdecode.models.llamacpp import LlamaCppModel
     from specdecode.models.precision import coupling
 
-    if model.backend == "llama.cpp":
+    if isinstance(model, LlamaCppModel):
         return ("this llama.cpp build picks kernels by batch shape; rebuild llama-cpp-python "
                 "with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" (scripts/install_llamacpp.sh does)")
     if isinstance(model, LlamaModel) and not model.exact:

@@ -339,7 +339,6 @@ PRECISIONS: tuple[Precision, ...] = (
         "llama.cpp computes each row alone where its tiled GEMMs are off; measured at load",
         "checkpoint", "llama.cpp"),
 )
-BY_NAME = {p.name: p for p in PRECISIONS}
 REFERENCE = next(p for p in PRECISIONS if p.reference)
 
 
@@ -348,29 +347,41 @@ def of_backend(backend: str) -> tuple[Precision, ...]:
     return tuple(p for p in PRECISIONS if p.backend == backend)
 
 
-NATIVE_NAMES = tuple(p.name for p in of_backend(NATIVE))
-CHOICES = (AUTO, *NATIVE_NAMES)  # what --precision and specdecode.load take for the native runner
+def native_names() -> tuple[str, ...]:
+    """The precisions the native runner builds, in the order of PRECISIONS."""
+    return tuple(p.name for p in of_backend(NATIVE))
+
+
+def choices() -> tuple[str, ...]:
+    """What --precision and specdecode.load take for the native runner."""
+    return (AUTO, *native_names())
+
+
+def find(name: str) -> Precision | None:
+    """The record named `name`, or None. (Every lookup reads PRECISIONS when it runs: a record
+    added there is known everywhere.)"""
+    return next((p for p in PRECISIONS if p.name == name), None)
 
 
 def get(name: str) -> Precision:
     """The record of `name`; SpecDecodeError naming it and the choices where there is none."""
-    found = BY_NAME.get(name)
+    found = find(name)
     if found is None:
-        raise SpecDecodeError(f"unknown precision '{name}' (supported: {', '.join(CHOICES)})")
+        raise SpecDecodeError(f"unknown precision '{name}' (supported: {', '.join(choices())})")
     return found
 
 
 def check_choice(name: str) -> None:
     """Refuse a --precision value that is neither "auto" nor a native precision."""
-    if name not in CHOICES:
-        raise SpecDecodeError(f"unknown precision '{name}' (supported: {', '.join(CHOICES)})")
+    if name not in choices():
+        raise SpecDecodeError(f"unknown precision '{name}' (supported: {', '.join(choices())})")
 
 
 def coupling(name: str) -> str | None:
     """Why a target at `name` cannot speculate by construction (its rows are coupled: no kernel
     path of it is row-invariant), or None ("auto", or a precision that may: its loaded target is
     measured)."""
-    found = BY_NAME.get(name)
+    found = find(name)
     return None if found is None or found.row_invariant else found.invariance
 
 
