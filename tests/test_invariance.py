@@ -22,6 +22,7 @@ from specdecode.models.loading import load_native
 from specdecode.models.precision import apply_precision
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint
+from tests.identity import assert_identical
 
 pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason=f"kernels unavailable: {kernels.build_error()}")
@@ -148,22 +149,98 @@ def test_the_check_catches_broken_kernels_and_speculation_is_refused(
     assert "warning" in capsys.readouterr().err
 
 
+def _moving_rows(monkeypatch: pytest.MonkeyPatch, moved: Callable[[int], slice | None]) -> None:
+    """Run the blocks operator by operator with a product whose output rows `moved(rows)` of
+    a call of `rows` rows move in the last bits (None: none)."""
+    from specdecode.models.llama import Block
+
+    matmul = kernels.matmul
+
+    def product(x: torch.Tensor, packed: kernels.Panels) -> torch.Tensor:
+        y = matmul(x, packed)
+        where = moved(x.numel() // x.shape[-1])
+        if where is not None:
+            y = y.clone()
+            y.view(-1, y.shape[-1])[where] *= 1 + 2 ** -12
+        return y
+
+    monkeypatch.setattr(Block, "fused", lambda self: None)
+    monkeypatch.setattr(kernels, "matmul", product)
+
+
+def test_a_product_that_moves_rows_past_the_64_row_chunk_is_caught(
+        tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.c processes a call's rows in chunks of 64: a bug at the chunk edge moves only
+    rows 64 and on. The check's batches put the compared positions across it (before: at most
+    16 rows a call, never caught)."""
+    model = apply_precision(tiny, "checkpoint")
+    _moving_rows(monkeypatch, lambda rows: slice(64, None) if rows > 64 else None)
+    measured = measure(model)
+    assert measured.rows is not None and measured.rows > 0, measured
+    assert measured.widths == measured.chunks == measured.threads == 0.0, measured
+
+
+def test_a_product_that_moves_with_the_thread_count_is_caught(
+        tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reduction split by thread count moves every row when the count changes (before: one
+    count only, never caught)."""
+    model = apply_precision(tiny, "checkpoint")
+    own = torch.get_num_threads()
+    _moving_rows(monkeypatch, lambda rows: slice(None) if torch.get_num_threads() != own
+                 else None)
+    measured = measure(model)
+    assert measured.threads is not None and measured.threads > 0, measured
+    assert measured.widths == measured.rows == measured.chunks == 0.0, measured
+
+
+def test_every_position_up_to_the_drafters_widest_call_is_checked(
+        tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that handles the first 9 rows of a call one way and the rest another (calls of
+    10 to 32 rows): invisible at the default width (9: --kmax 8 + 1), seen in every position
+    of a call of 17, so --k 16 is refused where --k 8 is not: the registry measures again up
+    to the drafter's widest call (before: the first position of widths 2, 3, 4, 8 and 16 only,
+    never caught)."""
+    from specdecode.drafters.options import DrafterOptions
+    from specdecode.models.invariance import DEFAULT_WIDTH
+
+    model = apply_precision(tiny, "checkpoint")
+    _moving_rows(monkeypatch, lambda rows: slice(9, None) if 9 < rows <= 32 else None)
+    model.invariance = measure(model)
+    assert model.invariance.exact and model.invariance.width == DEFAULT_WIDTH
+    assert drafter_factory(DrafterOptions("ngram", k=8), model) is not None
+    with pytest.raises(SpecDecodeError, match=r"across draft widths up to 17"):
+        drafter_factory(DrafterOptions("ngram", k=16), model)
+    assert model.invariance.width == 17 and model.invariance.widths > 0
+
+
+def test_a_tree_drafter_is_checked_up_to_its_node_budget(
+        tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """suffix scores up to its node budget + 1 positions in one call (24 + 1 by default)."""
+    model = apply_precision(tiny, "checkpoint")
+    _moving_rows(monkeypatch, lambda rows: slice(20, None) if 20 < rows <= 32 else None)
+    model.invariance = measure(model)
+    assert model.invariance.exact
+    with pytest.raises(SpecDecodeError, match=r"across draft widths up to 25"):
+        drafter_factory("suffix", model)
+
+
 def test_int8_is_refused_before_measuring(tiny: LlamaModel) -> None:
     model = apply_precision(tiny, "int8")
-    with pytest.raises(SpecDecodeError, match="--precision int8 is not: its kernels quantize"):
+    with pytest.raises(SpecDecodeError, match="int8 target is not: its kernels quantize"):
         drafter_factory("ngram", model)
+    assert model.invariance is None  # refused by construction, nothing measured
     assert drafter_factory("none", model) is None
 
 
-def _outputs(model: LlamaModel, prompts: list[list[int]], drafter: Callable[[], Any] | None,
-             k: int, batch: int) -> list[list[int]]:
+def _run(model: LlamaModel, prompts: list[list[int]], drafter: Callable[[], Any] | None,
+         k: int, batch: int) -> list[Generation]:
     engine = BatchEngine(model, batch, 256)
     gens = [Generation(model, None, p, SamplingParams(max_tokens=40),
                        None if drafter is None else drafter(), k, [1]) for p in prompts]
-    return [g.output for g in run_batch(engine, gens)]
+    return run_batch(engine, gens)
 
 
-@pytest.mark.parametrize("precision", ["w4a16", "bf16"])
+@pytest.mark.parametrize("precision", ["checkpoint", "w4a16", "bf16"])
 def test_greedy_speculation_on_fast_targets_is_token_identical(
         tiny: LlamaModel, precision: str) -> None:
     model = apply_precision(tiny, precision)
@@ -172,9 +249,8 @@ def test_greedy_speculation_on_fast_targets_is_token_identical(
     prompts = [(torch.randint(2, 20, (6,), generator=gen).tolist()) * 3 for _ in range(5)]
     make = drafter_factory("ngram", model)
     for batch in (1, 4):
-        plain = _outputs(model, prompts, None, 0, batch)
-        spec = _outputs(model, prompts, make, 4, batch)
-        assert spec == plain, (precision, batch)
+        plain = [g.output for g in _run(model, prompts, None, 0, batch)]
+        assert_identical(_run(model, prompts, make, 4, batch), plain, f"{precision} b{batch}")
 
 
 def test_load_model_reports_the_measured_invariance(tmp_path: Path) -> None:

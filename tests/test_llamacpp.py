@@ -32,7 +32,7 @@ if os.environ.get("SPECDECODE_REQUIRE_LLAMACPP") != "1":
     pytest.importorskip("llama_cpp")
 
 from specdecode.models.gguf_write import write_gguf
-from specdecode.models.llamacpp import Invariance, LlamaCppModel, load_llamacpp
+from specdecode.models.llamacpp import LlamaCppModel, load_llamacpp
 
 VOCAB = 300  # the GGUF's stand-in byte tokenizer needs 258+
 SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
@@ -137,7 +137,10 @@ def test_a_rollback_that_leaves_stale_kv_is_caught(tiny: Any, monkeypatch: pytes
 def test_speculation_refused_on_a_build_that_is_not_batch_invariant(
         tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     target = tiny[0]
-    monkeypatch.setattr(target, "invariance", Invariance(0.4, 0.0, 0.1))
+    real = LlamaCppModel._logits
+    monkeypatch.setattr(LlamaCppModel, "_logits", lambda self, n: real(self, n) + 1e-3 * n)
+    monkeypatch.setattr(target, "invariance", target.invariance)  # restored after the test
+    target.check_invariance(9)
     with pytest.raises(SpecDecodeError,
                        match=r"needs a batch-invariant target.*llama.cpp.*GGML_LLAMAFILE=OFF"):
         drafter_factory("ngram", target)
@@ -160,6 +163,39 @@ def test_invariance_check_sees_a_shape_dependent_model(tiny: Any, monkeypatch: p
     monkeypatch.setattr(LlamaCppModel, "_logits", shaped)
     measured = llamacpp.batch_invariance(target)
     assert not measured.exact and measured.widths > 0
+
+
+MOVED = {  # broken variants the load-time check missed before it compared every position of
+    # calls up to --kmax + 1, batches of more than 64 rows and another thread count
+    "positions past the first of a call of 9": lambda self, n: slice(1, None) if n == 9 else None,
+    "rows past 64 of a call": lambda self, n: slice(64, None) if n > 64 else None,
+    "another thread count": lambda self, n: slice(None) if self.threads != 1 else None,
+}
+
+
+@pytest.mark.parametrize("what", list(MOVED))
+def test_the_check_covers_every_position_wide_batches_and_threads(
+        tiny: Any, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """Logits moved in the last bits where llama.cpp's kernels could switch: a width, a batch
+    past 64 rows, a thread count (the fixture runs on 1 thread; the check tries 2)."""
+    from specdecode.models import llamacpp
+
+    target, real, moved = tiny[0], LlamaCppModel._logits, MOVED[what]
+
+    def shaped(self: Any, n: int) -> torch.Tensor:
+        out, where = real(self, n), moved(self, n)
+        if where is not None:
+            out = out.clone()
+            out[where] *= 1 + 2 ** -12
+        return out
+
+    monkeypatch.setattr(LlamaCppModel, "_logits", shaped)
+    measured = llamacpp.batch_invariance(target)
+    assert not measured.exact and measured.width == 9, measured
+    field = {"positions past the first of a call of 9": measured.widths,
+             "rows past 64 of a call": measured.rows, "another thread count": measured.threads}
+    assert field[what] is not None and field[what] > 0, measured
+    assert target.threads == 1  # the check puts the thread count back
 
 
 def test_a_unified_kv_cache_is_caught_by_the_invariance_check(tmp_path: Path) -> None:
@@ -285,11 +321,11 @@ def test_metrics_and_the_run_header_name_the_backend_and_its_exactness(tiny: Any
     from specdecode.server.prometheus import ServerMetrics
 
     loaded = LoadedModel(tiny[0], None, "tiny", Path("t.gguf"), "gguf", 0.0)  # type: ignore[arg-type]
-    assert loaded.exactness() is not None and loaded.exactness().startswith("batch-invariant")
+    assert loaded.exactness().startswith("exact: batch-invariant")
     metrics = ServerMetrics("tiny")
     metrics.set_backend(loaded.backend, loaded.backend_version(), loaded.exactness())
     from prometheus_client import generate_latest
 
     text = generate_latest(metrics.registry).decode()
     assert 'backend="llama.cpp"' in text and 'version="0.3.36"' in text
-    assert 'exactness="batch-invariant' in text
+    assert 'exactness="exact: batch-invariant' in text

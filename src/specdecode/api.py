@@ -123,7 +123,7 @@ def load(
     process (None: torch's choice). max_step_cost: under k="auto", no step may cost more than
     this many plain steps (None: no cap).
     """
-    from specdecode.drafters.registry import check_batch_invariant
+    from specdecode.models.exactness import check_precision
     from specdecode.models.precision import check_choice
 
     check_choice(precision)
@@ -137,7 +137,7 @@ def load(
                                 or threads < 1):
         raise SpecDecodeError(f"threads must be an integer >= 1, got {threads!r}")
     if options.speculates:
-        check_batch_invariant(precision)
+        check_precision(precision)
     return Specdecode(model, precision=precision, drafter=options, threads=threads,
                       backend=backend)
 

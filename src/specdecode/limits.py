@@ -2,6 +2,7 @@
 Imports nothing, so the lowest module can use it."""
 
 MAX_K = 64  # the longest draft one step may propose: --k, --kmax and a configuration's k
+DEFAULT_KMAX = 8  # the most the controller may draft under k = "auto" (--kmax's default)
 MAX_TREE_NODES = 128  # the most nodes of one token-tree draft (Drafter.max_nodes)
 # the `suffix` drafter's store of earlier requests: its default caps, and whose text a request
 # drafts from on the server (the default first: per user)

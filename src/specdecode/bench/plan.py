@@ -198,12 +198,12 @@ def default_configs_text(backend: str = "auto", precision: str = "fp32") -> str:
 
 
 def check_invariant_target(precision: str, configs: Sequence[ConfigSpec]) -> None:
-    """Refuse speculative configurations on a precision that is not batch invariant by
-    construction (int8) before anything is measured (drafters.registry.check_batch_invariant)."""
-    from specdecode.drafters.registry import check_batch_invariant
+    """Refuse speculative configurations on a precision that is row-coupled by construction
+    (int8) before anything is measured (models.exactness.check_precision)."""
+    from specdecode.models.exactness import check_precision
 
     if any(not c.is_plain for c in configs):
-        check_batch_invariant(precision)
+        check_precision(precision)
 
 
 def parse_int_list(text: str, what: str, low: int = 1) -> list[int]:

@@ -91,6 +91,9 @@ def render_summary(
     lines = [f"specdecode bench: {header.model.name} ({header.model.precision}) on "
              f"{describe_hardware(header.hardware)}; workload {header.workload.get('name')} "
              f"({header.workload.get('n_prompts')} prompts)"]
+    exactness = (header.runner.get("details") or {}).get("exactness")
+    if exactness:  # whether speculation here keeps the target's output (models.exactness)
+        lines.append(f"target: {exactness}")
     for batch in analysis.batch_sizes:
         lines.append(f"batch size {batch}:")
         for s in analysis.configs:

@@ -94,6 +94,7 @@ def _target(name: str) -> backends.BenchTarget:
 def skip_reason(target: str, config: ConfigSpec) -> str | None:
     """Why `config` is left out on `target` before anything loads (None: it is measured)."""
     from specdecode.drafters.options import model_part
+    from specdecode.models.exactness import allow_inexact
     from specdecode.models.precision import coupling
 
     if config.is_plain:
@@ -103,7 +104,7 @@ def skip_reason(target: str, config: ConfigSpec) -> str | None:
         return (f"its draft model is a {part} copy of the {target} target, drafting at the "
                 "target's own cost")
     coupled = coupling(target)
-    if coupled is not None:
+    if coupled is not None and not allow_inexact():  # the one way past it (models.exactness)
         return f"speculation refused on {target}: {coupled}"
     return None
 

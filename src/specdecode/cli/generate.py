@@ -56,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     record = {
         "text": result.text, "token_ids": result.tokens, "finish_reason": result.finish_reason,
         "seed": result.seed, "rule": params.rule, "model": sd.loaded.describe(),
+        "exactness": sd.loaded.verdict().as_dict(),  # passed its check, or allowed inexact
         "drafter": options.name, "k": "auto" if options.auto else sd.k,
         "drafter_choice": sd.drafter_choice,  # ngram+auto: what it measured and chose
         "threads": torch.get_num_threads(),

@@ -32,6 +32,7 @@ from specdecode.models.logits_for import is_none, logit_positions
 
 if TYPE_CHECKING:
     from specdecode.models.config import ModelConfig
+    from specdecode.models.invariance import Invariance
     from specdecode.models.target import Cache, Target
 
 
@@ -72,7 +73,7 @@ class WithHead(nn.Module):
     where it is a copy and nothing where it is the target's."""
 
     supports_trees = False  # a draft model: it drafts chains
-    invariance = None
+    invariance: Invariance | None = None
 
     def __init__(self, model: Target, head: SubsetHead) -> None:
         super().__init__()
@@ -105,6 +106,13 @@ class WithHead(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head_rows(hidden)  # type: ignore[no-any-return]
+
+    def check_invariance(self, width: int) -> Invariance:
+        """As any target's (a draft model is never verified against; the interface asks)."""
+        from specdecode.models.invariance import measure
+
+        self.invariance = measure(self, width)
+        return self.invariance
 
     def forward(self, tokens: torch.Tensor, cache: Cache,
                 positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,

@@ -39,6 +39,7 @@ from specdecode.drafters.base import native
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import KVCache
+from specdecode.models.invariance import Invariance, measure
 from specdecode.models.llama import LlamaModel
 from specdecode.models.loading import cache_root
 from specdecode.models.target import Cache, Target
@@ -91,7 +92,7 @@ class LayerSubset:
     calls its draft model. It holds no weights of its own (all are the target's)."""
 
     supports_trees = False  # a draft model: it drafts chains
-    invariance = None
+    invariance: Invariance | None = None
 
     def __init__(self, model: LlamaModel, layers: Sequence[int]) -> None:
         self.model = model
@@ -111,6 +112,11 @@ class LayerSubset:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.head(hidden)
+
+    def check_invariance(self, width: int) -> Invariance:
+        """As any target's (a draft model is never verified against; the interface asks)."""
+        self.invariance = measure(self, width)
+        return self.invariance
 
     def __call__(self, tokens: torch.Tensor, cache: Cache,
                  positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,

@@ -19,14 +19,13 @@ from typing import Any, Literal
 
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import (
+    DEFAULT_KMAX,
     K_RANGE,
     MAX_TREE_NODES,
     SUFFIX_ISOLATION,
     SUFFIX_STORE_MIN_MIB,
     valid_k,
 )
-
-DEFAULT_KMAX = 8  # the most the controller may draft under k = "auto" (--kmax's default)
 
 # Names. A hybrid is a lookup, "+", a model drafter (drafters.hybrid); "X-tree" is model drafter
 # X proposing sibling leaves where it is unsure (token trees).

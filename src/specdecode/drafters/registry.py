@@ -19,11 +19,13 @@ from specdecode.drafters.options import (
     DrafterOptions,
     lookup_part,
     model_part,
+    parts,
     reads,
     tree_base,
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import SUFFIX_ISOLATION, SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
+from specdecode.models.exactness import require_speculation
 from specdecode.models.llamacpp import llamacpp_target
 from specdecode.models.target import Target
 from specdecode.models.tokenizer import Tokenizer
@@ -31,54 +33,6 @@ from specdecode.models.tokenizer import Tokenizer
 __all__ = ["DRAFTERS", "DrafterFactory", "DrafterOptions", "drafter_factory"]
 
 NGRAM_MAX = 8  # the longest n-gram a lookup matches by default (ngram_max)
-
-
-def check_batch_invariant(precision: str) -> None:
-    """Refuse speculation on a precision whose logits for a position depend on what else is
-    scored with it by construction: then no drafter can be token-identical to plain decoding.
-
-    int8: its fbgemm kernels quantize the activations of a whole call with one scale (on
-    SmolLM2, greedy speculative output differed from plain int8 decoding on 4 of 4 prompts). A
-    fixed activation range would restore invariance but cost most of the int8 target's
-    agreement with fp32 (top-1 0.34 against 0.74, measured). The int8 copy stays available as a
-    drafter, where invariance does not matter. The other precisions run on the row-invariant
-    kernels (models.kernels) and are checked by measurement (check_measured_invariance).
-    """
-    from specdecode.models.precision import coupling, speculative_names
-
-    why = coupling(precision)  # the precision's record: no row-invariant kernel path
-    if why is not None:
-        raise SpecDecodeError(
-            f"speculative decoding needs a batch-invariant target, and --precision {precision} "
-            f"is not: {why}; the output could not be token-identical to plain {precision} "
-            f"decoding. Use --precision {', '.join(speculative_names())} for speculation (e.g. "
-            "with --drafter int8, the int8 copy of the target, as the draft), or --drafter none")
-
-
-def check_measured_invariance(target: Target) -> None:
-    """Refuse speculation on a target whose invariance check (models.invariance) saw a
-    position's logits move with the batch shape, unless the environment sets
-    SPECDECODE_ALLOW_INEXACT=1 (then a warning: the output distribution is still the target's
-    up to those rounding differences, but not token-identical). A native target is measured
-    here if its loader did not; the transformers adapter is not measured (its attention and
-    products are PyTorch's: not invariant bit for bit, ~1e-6 of a logit)."""
-    import os
-    import sys
-
-    from specdecode.models.loading import invariance_of, why_inexact
-
-    measured = invariance_of(target)
-    if measured is None or measured.exact:
-        return
-    message = (f"speculative decoding needs a batch-invariant target, and this "
-               f"{target.backend} {target.precision} target is not "
-               f"({measured.describe()}): {why_inexact(target)}. The output could not be "
-               "token-identical to its plain decoding; set SPECDECODE_ALLOW_INEXACT=1 to "
-               "speculate anyway")
-    if os.environ.get("SPECDECODE_ALLOW_INEXACT") == "1":
-        print(f"warning: {message}", file=sys.stderr)
-        return
-    raise SpecDecodeError(message)
 
 
 def drafter_factory(options: DrafterOptions | str, target: Target, *, capacity: int = 4096,
@@ -101,6 +55,8 @@ def drafter_factory(options: DrafterOptions | str, target: Target, *, capacity: 
     """
     opts = DrafterOptions(options) if isinstance(options, str) else options
     opts.check()
+    if opts.speculates:  # the one decision (models.exactness), at the widest call it scores
+        require_speculation(target, widest_call(opts))
     return _factory(opts, target, capacity, tokenizer)
 
 
@@ -129,8 +85,6 @@ def _factory(opts: DrafterOptions, target: Target, capacity: int, tokenizer: Tok
         make = _factory(dataclasses.replace(opts, name=base), target, capacity, tokenizer)
         assert make is not None
         return DrafterFactory(lambda: with_siblings(make(), name))
-    check_batch_invariant(target.precision)
-    check_measured_invariance(target)
     ngram_max = opts.ngram_max if opts.ngram_max is not None else NGRAM_MAX
     ngram_min = opts.ngram_min if opts.ngram_min is not None else 1
     if name == "ngram":
@@ -151,6 +105,21 @@ def _factory(opts: DrafterOptions, target: Target, capacity: int, tokenizer: Tok
     from specdecode.drafters.xtok import xtok_factory
 
     return DrafterFactory(xtok_factory(tokenizer, opts.draft_model, capacity))
+
+
+def widest_call(opts: DrafterOptions) -> int:
+    """The most positions a step of this drafter scores in one call: the pending token and a
+    chain of draft_length; a model tree adds a sibling per draft token; a lookup tree scores
+    its node budget (the invariance check measures up to this width)."""
+    from specdecode.drafters.suffix import NGRAM_TREE_NODES, SUFFIX_NODES
+
+    chain = opts.draft_length + 1
+    widths = [2 * opts.draft_length + 1 if tree_base(opts.name) else chain]
+    for part in parts(opts.name):
+        if part in ("suffix", "ngram-tree"):
+            nodes = opts.tree_nodes or (SUFFIX_NODES if part == "suffix" else NGRAM_TREE_NODES)
+            widths.append(nodes + 1)
+    return max(widths)
 
 
 def _only(opts: DrafterOptions, name: str) -> DrafterOptions:

@@ -112,6 +112,7 @@ def load_on_native(request: LoadRequest) -> LoadedModel:
     """The checkpoint on the native runner at the precision asked, on the row-invariant kernels
     where they build (NATIVE's load)."""
     from specdecode.models import loading
+    from specdecode.models.invariance import DEFAULT_WIDTH
     from specdecode.models.tokenizer import Tokenizer
 
     precision = NATIVE.precision(request.precision)
@@ -124,6 +125,7 @@ def load_on_native(request: LoadRequest) -> LoadedModel:
         gemv_copy = os.environ.get("SPECDECODE_GEMV_COPY", "1") != "0"
     if gemv_copy and not exact and precisions.get(model.precision).gemv_copy:
         model.add_gemv_copies()
+    model.check_invariance(DEFAULT_WIDTH)  # of the kernels it runs on from here (gemv included)
     return loading.LoadedModel(model, Tokenizer(folder), name, source, model.precision,
                                time.perf_counter() - request.start)
 
@@ -132,11 +134,13 @@ def load_on_transformers(request: LoadRequest) -> LoadedModel:
     """The checkpoint on Hugging Face transformers, fp32 (TRANSFORMERS's load)."""
     from specdecode.models import loading
     from specdecode.models.hf_adapter import load_transformers
+    from specdecode.models.invariance import DEFAULT_WIDTH
     from specdecode.models.tokenizer import Tokenizer
 
     TRANSFORMERS.precision(request.precision)  # refuses any other precision, before loading
     folder, source, name = request.folder or loading.resolve_folder(request.spec)
     model = load_transformers(folder)
+    model.check_invariance(DEFAULT_WIDTH)  # PyTorch's kernels: measured, refused if inexact
     return loading.LoadedModel(model, Tokenizer(folder), name, source, model.precision,
                                time.perf_counter() - request.start)
 

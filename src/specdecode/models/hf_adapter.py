@@ -152,6 +152,22 @@ class TransformersModel(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise SpecDecodeError("hidden states need the native runner (--backend native)")
 
+    def check_invariance(self, width: int) -> Invariance:
+        """Measure the batch invariance up to calls of `width` positions (models.invariance;
+        widths, chunkings and thread counts: it runs one row); recorded as `invariance`."""
+        from dataclasses import replace
+
+        from specdecode.models.invariance import measure
+
+        measured = measure(self, width)
+        if not measured.exact:
+            measured = replace(measured, cause=(
+                "the transformers backend runs PyTorch's own products and attention, which "
+                "pick their kernels and blockings by shape; a checkpoint of a native family "
+                "(Llama, Mistral, Qwen2) runs on the row-invariant kernels (--backend native)"))
+        self.invariance = measured
+        return measured
+
     def new_cache(self, batch: int, capacity: int) -> AdapterCache:
         if batch != 1:
             raise SpecDecodeError(

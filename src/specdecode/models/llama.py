@@ -301,6 +301,28 @@ class LlamaModel(nn.Module):
                 module.set_exact(exact)
         return self
 
+    def check_invariance(self, width: int) -> Invariance:
+        """Measure the batch invariance up to calls of `width` positions (models.invariance),
+        with its cause where it fails; recorded as `invariance`."""
+        from dataclasses import replace
+
+        from specdecode.models.invariance import measure
+
+        measured = measure(self, width)
+        if not measured.exact:
+            measured = replace(measured, cause=self._inexact_cause())
+        self.invariance = measured
+        return measured
+
+    def _inexact_cause(self) -> str:
+        if not self.exact:
+            error = kernels.build_error()
+            return ("the row-invariant kernels are not in use"
+                    + (f" ({error})" if error else " (LlamaModel.set_exact was not called)"))
+        if not self.rows_independent:
+            return "its kernels quantize each call's activations with one scale"
+        return "cause unknown (please report it with the output of `specdecode costs`)"
+
     def with_precision(self, precision: str) -> LlamaModel:
         """A copy whose weight matrices, LM head and embedding are the ones `precision`'s
         record builds (models.precision: its `matrix` and `ends`); norms are shared with self,

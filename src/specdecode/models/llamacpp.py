@@ -11,10 +11,9 @@ nothing is copied); a row that leaves hands its sequence id over instead of movi
 
 Exactness: speculation is token-identical to plain decoding only if a position's logits do not
 depend on what else is scored with it. Stock llama.cpp builds are not batch-invariant on CPU
-(the llamafile sgemm kernels pick blockings by shape), so `batch_invariance` scores a few
-positions alone and inside batches, and across two sequences, at load time, and the drafter
-registry refuses speculation on a target that fails it (drafters.registry
-.check_measured_invariance).
+(the llamafile sgemm kernels pick blockings by shape), so `batch_invariance` runs the shared
+load-time check (models.invariance) plus a shape of its own, and speculation on a target that
+fails it is refused (models.exactness).
 docs/llamacpp.md gives the build flags that pass (`-DGGML_LLAMAFILE=OFF`, flash attention off).
 
 The logits returned are a zero-copy view of llama.cpp's output buffer at batch 1 (the engine
@@ -26,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import check_room
 from specdecode.models.config import ModelConfig
-from specdecode.models.invariance import Invariance
+from specdecode.models.invariance import DEFAULT_WIDTH, Invariance, Threads, measure
 from specdecode.models.llamacpp_probe import require_runs
 from specdecode.models.target import Cache, Target
 
@@ -287,6 +288,12 @@ class LlamaCppModel:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise SpecDecodeError("hidden states need the native runner (--backend native)")
 
+    def check_invariance(self, width: int) -> Invariance:
+        """Measure the batch invariance up to calls of `width` positions (batch_invariance);
+        recorded as `invariance`."""
+        self.invariance = batch_invariance(self, width)
+        return self.invariance
+
     def __call__(
         self,
         tokens: torch.Tensor,  # (B, T) int64
@@ -405,48 +412,49 @@ def llamacpp_target(target: Target) -> LlamaCppModel | None:
     return target if isinstance(target, LlamaCppModel) else None
 
 
-def batch_invariance(model: LlamaCppModel, context: int = 48) -> Invariance:
-    """Score positions alone and in other batch shapes; the largest logit difference seen.
+def batch_invariance(model: LlamaCppModel, width: int = DEFAULT_WIDTH, context: int = 48
+                     ) -> Invariance:
+    """The shared check (models.invariance.measure: every position of calls up to `width`
+    wide, batches crossing 64 rows, llama.cpp's own thread count against another), plus one
+    shape of llama.cpp's own: the same prefix scored again after another sequence took the
+    first free KV cells (in a unified KV cache its cells then sit elsewhere, which moves its
+    logits), counted under rows."""
+    start = time.perf_counter()
 
-    widths: the position after `context` tokens alone, then first of 2, 4 and 8 positions.
-    rows: the same position scored alone, then in one call beside another sequence's 3 tokens,
-    then alone again with its context re-fed after a third sequence took the first free cells
-    (in a unified KV cache its cells then sit elsewhere: that moves its logits).
-    chunks: 8 positions one call at a time against two calls of 4.
-    """
+    def set_threads(n: int) -> None:
+        model.L.llama_set_n_threads(model._ctx, n, n)
+        model.threads = n
+
+    measured = measure(model, width, context, threads=Threads(lambda: model.threads,
+                                                              set_threads))
+    moved = _moved_cells(model, context)
+    measured = replace(measured, rows=max(measured.rows or 0.0, moved),
+                       seconds=round(time.perf_counter() - start, 3))
+    if not measured.exact:
+        measured = replace(measured, cause=(
+            "this llama.cpp build's kernels pick their arithmetic by batch shape (llamafile's "
+            "sgemm unless built with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\", as "
+            "scripts/install_llamacpp.sh does; some quantized types' kernels switch at a width "
+            "whatever the build: docs/llamacpp.md)"))
+    return measured
+
+
+def _moved_cells(model: LlamaCppModel, context: int) -> float:
+    """A position scored after `context` tokens, then again with the same prefix re-fed after
+    another sequence took the first free cells."""
     rng = np.random.default_rng(0)
-    prefix = torch.tensor(rng.integers(100, model.vocab_size, size=(1, context + 8)))
-    nxt = prefix[:, context:]
-    solo, pair = model.new_cache(1, context + 16), model.new_cache(2, context + 16)
-    other = model.new_cache(1, context + 16)
+    prefix = torch.tensor(rng.integers(100, model.vocab_size, size=(1, context + 1)))
+    solo, other = model.new_cache(1, context + 2), model.new_cache(1, context + 2)
     try:
-        model(prefix[:, :context], solo, logits_for="none")
-
-        def scored(toks: torch.Tensor, keep: bool = False) -> torch.Tensor:
-            out = model(toks, solo)[0].clone()
-            if not keep:
-                solo.rollback(0, context)
-            return out
-
-        alone = scored(nxt[:, :1])[0]
-        widths = max(float((scored(nxt[:, :w])[0] - alone).abs().max()) for w in (2, 4, 8))
-        pair.copy_row(0, solo, 0, context)
-        pair.copy_row(1, solo, 0, context)
-        both = torch.stack([nxt[0, :3], prefix[0, 1:4]])
-        rows = float((model(both, pair, num_new=[1, 3])[0, 0] - alone).abs().max())
-        # the same prefix again, now after another sequence took the first free cells
-        solo.rollback(0, 0)
-        model(torch.flip(prefix, [1])[:, : context // 2 + 5], other, logits_for="none")
-        model(prefix[:, :context], solo, logits_for="none")
-        rows = max(rows, float((scored(nxt[:, :1])[0] - alone).abs().max()))
-        ones = torch.cat([scored(nxt[:, t:t + 1], keep=True) for t in range(8)])
-        solo.rollback(0, context)
-        fours = torch.cat([scored(nxt[:, s:s + 4], keep=True) for s in (0, 4)])
-        chunks = float((ones - fours).abs().max())
+        with torch.inference_mode():
+            alone = model(prefix, solo, logits_for="last")[0, -1].clone()
+            solo.rollback(0, 0)
+            model(torch.flip(prefix, [1])[:, : context // 2 + 5], other, logits_for="none")
+            again = model(prefix, solo, logits_for="last")[0, -1]
+            return float((again - alone).abs().max())
     finally:
-        for cache in (solo, pair, other):
+        for cache in (solo, other):
             cache.release()
-    return Invariance(widths, rows, chunks)
 
 
 def load_llamacpp(path: Path, cfg: ModelConfig, threads: int | None = None,
@@ -454,5 +462,5 @@ def load_llamacpp(path: Path, cfg: ModelConfig, threads: int | None = None,
     """Load a GGUF on llama.cpp and measure its batch invariance (see the module docstring)."""
     model = LlamaCppModel(path, cfg, threads=threads, sequences=sequences)
     if check:
-        model.invariance = batch_invariance(model)
+        model.check_invariance(DEFAULT_WIDTH)
     return model

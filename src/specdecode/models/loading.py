@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
-from specdecode.models.invariance import Invariance
 from specdecode.models.target import Target
 from specdecode.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # every backend implements the interface (mypy checks these assignments)
     from specdecode.models.cache import KVCache
+    from specdecode.models.exactness import Verdict
     from specdecode.models.hf_adapter import AdapterCache, TransformersModel
     from specdecode.models.llama import LlamaModel
     from specdecode.models.llamacpp import LlamaCppCache, LlamaCppModel
@@ -61,14 +61,17 @@ class LoadedModel:
         """The version of the library behind the backend (llama-cpp-python, else torch)."""
         return self.model.version()
 
-    def exactness(self) -> str | None:
-        """The load-time batch-invariance verdict of the target (models.invariance), None where
-        none was measured (the transformers adapter)."""
-        measured = self.model.invariance
-        if measured is None:
-            return None
-        verdict = "batch-invariant" if measured.exact else "NOT batch-invariant"
-        return f"{verdict} ({measured.describe()})"
+    def verdict(self) -> Verdict:
+        """Whether the target passed its invariance check and may speculate (models.exactness)."""
+        from specdecode.models.exactness import verdict
+
+        return verdict(self.model)
+
+    def exactness(self) -> str:
+        """The verdict in the words every report uses: "exact: batch-invariant (...)", or
+        "inexact (allowed by SPECDECODE_ALLOW_INEXACT=1): ..." / "inexact (speculation
+        refused): ..." with what was measured and why."""
+        return self.verdict().describe()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -216,47 +219,14 @@ def load_native(folder: Path, cfg: ModelConfig) -> torch.nn.Module:
 
 
 def make_exact(model: Any) -> bool:
-    """Put a native model on the row-invariant kernels where they build here (models.kernels),
-    and measure its batch invariance (models.invariance); True if it runs on them."""
+    """Put a native model on the row-invariant kernels where they build here (models.kernels);
+    True if it runs on them. (Its batch invariance is measured by the caller, once the kernels
+    it runs on are final: Target.check_invariance.)"""
     from specdecode.models import kernels
-    from specdecode.models.invariance import measure
     from specdecode.models.llama import LlamaModel
 
     if not isinstance(model, LlamaModel):
         return False
     if kernels.available() and not model.exact:
         model.set_exact()
-    model.invariance = measure(model)
     return model.exact
-
-
-def invariance_of(model: Target) -> Invariance | None:
-    """The model's measured invariance, measuring a native model that has none yet (a copy made
-    by with_precision, a model built without the loader); None where nothing measures it."""
-    from specdecode.models.invariance import measure
-    from specdecode.models.llama import LlamaModel
-
-    measured = model.invariance
-    if measured is None and isinstance(model, LlamaModel):
-        measured = model.invariance = measure(model)
-    return measured
-
-
-def why_inexact(model: Target) -> str:
-    """The known cause of a measured non-invariance, in words a user can act on."""
-    from specdecode.models import kernels
-    from specdecode.models.llama import LlamaModel
-    from specdecode.models.llamacpp import LlamaCppModel
-    from specdecode.models.precision import coupling
-
-    if isinstance(model, LlamaCppModel):
-        return ("this llama.cpp build picks kernels by batch shape; rebuild llama-cpp-python "
-                "with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" (scripts/install_llamacpp.sh does)")
-    if isinstance(model, LlamaModel) and not model.exact:
-        error = kernels.build_error()
-        return ("the row-invariant kernels are not in use"
-                + (f" ({error})" if error else " (LlamaModel.set_exact was not called)"))
-    coupled = coupling(model.precision)
-    if coupled is not None:
-        return coupled
-    return "cause unknown (please report it with the output of `specdecode costs`)"

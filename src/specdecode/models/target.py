@@ -119,6 +119,11 @@ class Target(Protocol):
         """The load-time batch-invariance check's result, or None where none was run."""
         ...
 
+    def check_invariance(self, width: int) -> Invariance:
+        """Measure the batch invariance (models.invariance) up to calls of `width` positions,
+        with the cause of any difference found; record it as `invariance` and return it."""
+        ...
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of activations and of the cache."""
