@@ -22,7 +22,6 @@ from specdecode.bench.records import (
 )
 from specdecode.bench.store import (
     RESULTS_FILE,
-    atomic_write_text,
     build_report,
     check_writable,
     load_report,
@@ -32,6 +31,7 @@ from specdecode.bench.store import (
     results_from_report,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.files import atomic_write_text
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 CONFIGS = [plain(), ngram()]

@@ -53,9 +53,9 @@ def _make(root: Path, tied: bool) -> Tiny:
         load_distilled,
         save_distilled,
     )
+    from specdecode.models.cards import weights_sha256, write_model_card
     from specdecode.models.config import config_from_hf, read_hf_config
     from specdecode.models.loading import load_native
-    from specdecode.train.checkpoint import weights_sha256, write_model_card
 
     folder = make_checkpoint(root / "target", seed=6, scale=4.0, tie_word_embeddings=tied,
                              **SMALL)

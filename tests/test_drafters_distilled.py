@@ -30,9 +30,9 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cards import weights_sha256, write_model_card
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
-from specdecode.train.checkpoint import weights_sha256, write_model_card
 from tests.fakes import LookupTarget
 from tests.test_drafters_layerskip import first_token_distribution
 from tests.test_drafters_ngram import (

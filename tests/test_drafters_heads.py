@@ -18,8 +18,8 @@ from specdecode.drafters.heads import FeatureDrafterModel, HeadsDrafter, load_he
 from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cards import weights_sha256
 from specdecode.sampling import SamplingParams, probs_from_logits
-from specdecode.train.checkpoint import weights_sha256
 from specdecode.train.heads import target_features, write_heads
 from tests.test_drafters_layerskip import first_token_distribution
 from tests.test_drafters_ngram import DESIGN_TV, FALSE_ALARM, V, audit, tiny_model

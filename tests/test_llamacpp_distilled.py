@@ -73,7 +73,7 @@ def _distilled(native: Any, folder: Path, seed: int) -> Any:
         load_distilled,
         save_distilled,
     )
-    from specdecode.train.checkpoint import weights_sha256, write_model_card
+    from specdecode.models.cards import weights_sha256, write_model_card
 
     layout = DraftLayout((0, 2), SUBSET)
     gen = torch.Generator().manual_seed(seed)

@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 from specdecode.models.backends import load_model
+from specdecode.models.cards import weights_sha256
 from specdecode.models.loading import LoadedModel
 from specdecode.train.checkpoint import (
     latest_checkpoint,
     load_optimizer_state,
     optimizer_state,
     save_checkpoint,
-    weights_sha256,
 )
 from specdecode.train.corpus import html_to_text, load_corpus
 from specdecode.train.heads import HeadsTrainConfig, train_heads

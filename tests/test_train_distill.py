@@ -17,11 +17,11 @@ from specdecode.cli import main
 from specdecode.drafters.distilled import load_distilled
 from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cards import read_card, weights_sha256
 from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.train import distill as distill_module
-from specdecode.train.checkpoint import read_card, weights_sha256
 from specdecode.train.distill import DistillConfig, batch_rows, distill, learning_rate
 from tests.conftest import make_checkpoint
 

@@ -35,10 +35,10 @@ from specdecode.bench.analysis import (
 from specdecode.bench.hardware import describe_hardware
 from specdecode.bench.recommend import Recommendation
 from specdecode.bench.records import AuditVerdict, ConfigSpec, RunHeader
-from specdecode.bench.store import atomic_write_text
 from specdecode.bench.workloads import Prompt, prompts_from_description
 from specdecode.drafters.options import ALIASES as OPTION_ALIASES
 from specdecode.drafters.options import FLAGS as OPTION_FLAGS
+from specdecode.files import atomic_write_text
 from specdecode.limits import AUDIT_POWER, AUDIT_REAL_TV
 from specdecode.models import backends, precision
 

@@ -39,6 +39,7 @@ from specdecode.bench.records import (
     record_from_dict,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.files import atomic_write_text
 
 RESULTS_FILE = "results.jsonl"
 REPORT_JSON = "report.json"
@@ -124,28 +125,6 @@ def preflight(folder: str | Path, resume: bool) -> Path:
             "another output folder"
         )
     return path
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, fsync it, then rename it over `path`."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def encode_line(kind: str, data: dict[str, Any]) -> bytes:

@@ -201,7 +201,8 @@ def draft_tensors(draft: LlamaModel) -> dict[str, torch.Tensor]:
 
 def save_distilled(draft: LlamaModel, folder: Path, layout: DraftLayout) -> None:
     """Write draft.safetensors and config.json into `folder` (the card is written by training)."""
-    from specdecode.train.checkpoint import atomic_save_tensors, atomic_write_text
+    from specdecode.files import atomic_write_text
+    from specdecode.models.cards import atomic_save_tensors
 
     folder.mkdir(parents=True, exist_ok=True)
     atomic_save_tensors(folder / WEIGHTS_FILE, draft_tensors(draft))
@@ -229,8 +230,8 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 def load_distilled(folder: Path, target: Target) -> LlamaModel:
     """Load the draft in `folder` onto `target` (the card must name its weights sha256)."""
-    from specdecode.train.checkpoint import check_target as check_trained_for
-    from specdecode.train.checkpoint import read_card
+    from specdecode.models.cards import check_target as check_trained_for
+    from specdecode.models.cards import read_card
 
     native(target, "distilled")
     raw = read_config(folder)

@@ -87,7 +87,7 @@ def draft_files(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str,
     from safetensors.torch import load_file
 
     from specdecode.drafters.distilled import WEIGHTS_FILE, read_config
-    from specdecode.train.checkpoint import read_card
+    from specdecode.models.cards import read_card
 
     raw = read_config(folder)
     card = read_card(folder)
@@ -108,9 +108,9 @@ def check_trained_for(folder: Path, raw: dict[str, Any], card: dict[str, Any],
     once (a few seconds for SmolLM2; an export runs once per inputs, then the cache serves).
     """
     from specdecode.drafters.distilled import CONFIG_FILE, WEIGHTS_FILE
+    from specdecode.models.cards import check_target
     from specdecode.models.config import config_from_hf, read_hf_config
     from specdecode.models.loading import converted_folder, load_native
-    from specdecode.train.checkpoint import check_target
 
     converted = converted_folder(target_gguf)
     cfg = config_from_hf(read_hf_config(converted), str(converted / "config.json"))
@@ -358,7 +358,7 @@ def _digest(path: Path) -> str:
 def cache_key(folder: Path, target_gguf: Path, weight_type: str, head: str) -> str:
     """sha256 of everything the exported file depends on."""
     from specdecode.drafters.distilled import CONFIG_FILE, WEIGHTS_FILE
-    from specdecode.train.checkpoint import CARD_JSON
+    from specdecode.models.cards import CARD_JSON
 
     h = hashlib.sha256(f"v{EXPORT_VERSION};{weight_type};{head};".encode())
     for path in (target_gguf, folder / WEIGHTS_FILE, folder / CONFIG_FILE, folder / CARD_JSON):

@@ -165,7 +165,7 @@ def init_block(cfg: ModelConfig, std: float = 0.02) -> nn.Module:
 def load_heads(target: LlamaModel, folder: Path) -> FeatureDrafterModel:
     """Trained heads from `folder` (heads.safetensors + card.json) for `target`; refused with a
     clear message if they were trained for another target."""
-    from specdecode.train.checkpoint import check_target, read_card
+    from specdecode.models.cards import check_target, read_card
 
     path = folder / WEIGHTS_FILE
     if not path.is_file():

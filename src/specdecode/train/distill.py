@@ -41,6 +41,7 @@ from specdecode.drafters.distilled import (
     save_distilled,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.models import cards
 from specdecode.train import checkpoint as ckpt
 from specdecode.train.corpus import load_corpus, sequences
 
@@ -308,7 +309,7 @@ def distill(target: Any, tokenizer: Any, corpus_paths: list[str] | None, cfg: Di
     save_distilled(draft, out, layout)
     card = model_card(target, target_name, corpus.describe(), cfg, layout, before, after,
                       seconds, history, recipe)
-    ckpt.write_model_card(out, card, "Distilled draft model", CARD_NOTES)
+    cards.write_model_card(out, card, "Distilled draft model", CARD_NOTES)
     return card
 
 
@@ -325,7 +326,7 @@ def model_card(target: Any, target_name: str, corpus: dict[str, Any], cfg: Disti
                seconds: float, history: list[dict[str, Any]], recipe: str) -> dict[str, Any]:
     return {
         "kind": "distilled-draft", "target": target_name,
-        "target_sha256": ckpt.weights_sha256(target),
+        "target_sha256": cards.weights_sha256(target),
         "layers_from": list(layout.layers_from), "vocab_size": layout.vocab_size,
         "data": corpus, "steps": cfg.steps, "seed": cfg.seed, "loss": cfg.loss,
         "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len, "train_seconds": round(seconds, 1),

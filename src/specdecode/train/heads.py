@@ -36,15 +36,13 @@ import torch.nn.functional as F
 
 from specdecode.drafters.heads import WEIGHTS_FILE, FeatureDrafterModel
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cards import atomic_save_tensors, weights_sha256, write_model_card
 from specdecode.models.llama import LlamaModel
 from specdecode.train.checkpoint import (
-    atomic_save_tensors,
     latest_checkpoint,
     load_optimizer_state,
     optimizer_state,
     save_checkpoint,
-    weights_sha256,
-    write_model_card,
 )
 from specdecode.train.corpus import Corpus, load_corpus, sequences
 
