@@ -18,7 +18,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.server import record
 from specdecode.server.middleware import ApiKey, check_keys
-from specdecode.server.record import HEADER_KEY, Recorder, RecordOptions
+from specdecode.server.record import HEADER_KEY, REPLAY_HEADER, Recorder, RecordOptions
 from tests.test_server import NO_EOS, serving, tiny  # noqa: F401  (the fixture)
 
 MODEL = {"id": "tiny", "weights": "w", "tokenizer": "t"}
@@ -139,8 +139,8 @@ def test_the_server_records_what_it_accepts_with_labels_never_keys(
         tiny: LoadedModel, tmp_path: Path) -> None:  # noqa: F811
     """Two keys with labels: each request's line holds its body as sent, its arrival time,
     its key's label joined with metadata.label, its finish reason and lengths, and no key;
-    a refused request (400) and an unauthenticated one (401) are not recorded; outputs are
-    kept only with --record-outputs."""
+    a refused request (400), an unauthenticated one (401) and a replay (bench --endpoint's
+    header) are not recorded."""
     path = tmp_path / "rec.jsonl"
     keys = (ApiKey("key-one", "team-a"), ApiKey("key-two", "team-b"))
     with serving(tiny, drafter="none", api_keys=keys, record=RecordOptions(path)) as (srv, _):
@@ -163,6 +163,10 @@ def test_the_server_records_what_it_accepts_with_labels_never_keys(
         assert refused.status_code == 400
         assert httpx.post(f"{srv.url}/v1/completions", json=bodies[0][1],
                           timeout=30).status_code == 401
+        replayed = httpx.post(f"{srv.url}/v1/completions", json=bodies[0][1], timeout=30,
+                              headers={"Authorization": "Bearer key-one",
+                                       REPLAY_HEADER: "1"})  # bench --endpoint's: not again
+        assert replayed.status_code == 200
     text = path.read_text(encoding="utf-8")
     assert "key-one" not in text and "key-two" not in text
     header, first, second = lines(path)

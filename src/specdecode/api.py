@@ -272,15 +272,18 @@ class Specdecode:
               audit_samples: int | None = None, out_dir: str | Path | None = None,
               resume: bool = False, seed: int = 0, resamples: int | None = None,
               chat_template: bool = True, strict: bool = False, progress: bool = False,
-              specbench: str | Path | None = None, out: TextIO | None = None,
+              specbench: str | Path | None = None, arrivals: str = "closed",
+              speed: float = 1.0, slo: str | None = None, out: TextIO | None = None,
               err: TextIO | None = None) -> Any:
         """Run `specdecode bench` on this model; returns its BenchOutcome (report paths,
         analysis, recommendation, summary text).
 
         workload: a JSONL file (Spec-Bench or plain format; None: the built-in workload), or a
         built-in workload's name ("structured", "repetitive": from `specbench`, a Spec-Bench
-        question.jsonl, when given).
+        question.jsonl, when given), or a `serve --record` recording.
         configs: as `--configs`, e.g. "plain;ngram+w4a16:k=3" (None: the command's default).
+        arrivals: "closed", "recorded" or "poisson:RATE" (open loop at the recorded times or a
+        Poisson rate, `speed` times faster); slo: "ttft=0.5,tpot=0.05" for the goodput.
         The other arguments are the command's flags; `out` receives the summary (default
         sys.stdout), `err` the warnings (default sys.stderr). Results go to `out_dir` (default
         runs/<UTC time>).
@@ -307,6 +310,7 @@ class Specdecode:
         args.out = Path(out_dir) if out_dir is not None else None
         args.resume, args.seed, args.resamples = resume, seed, resamples
         args.no_chat_template, args.strict, args.quiet = not chat_template, strict, not progress
+        args.arrivals, args.speed, args.slo = arrivals, speed, slo
         out, err = out or sys.stdout, err or sys.stderr
         plan = commands.plan_bench(args, err)
         runner = commands.make_runner(args, plan, commands.default_max_tokens(args),
@@ -327,7 +331,8 @@ def _bench_args() -> argparse.Namespace:
         regex=None, grammar=None, limit_per_category=None, configs=None, targets=None,
         fidelity=None, batch_sizes="1", max_tokens=None, audit_samples=DEFAULT_AUDIT_SAMPLES,
         resume=False, endpoint=None, api_key=None, request_timeout=None, out=None, seed=0,
-        resamples=None, quiet=False)
+        resamples=None, quiet=False, arrivals="closed", speed=1.0, replay_window=None,
+        slo=None)
 
 
 def auto_steps(loaded: Any, gen: Any, max_step_cost: float | None = None) -> Iterator[Any]:

@@ -2,7 +2,11 @@
 
 Modules, in the order data flows through them:
 
-- `workloads`: prompts (Spec-Bench JSONL or a plain JSONL format) and the built-in default set.
+- `workloads`: prompts (Spec-Bench JSONL or a plain JSONL format) and the built-in default set;
+  `requests`: OpenAI request lines (a `serve --record` recording, a proxy's log) among them.
+- `arrivals`: when requests start (closed loop, the recorded times, a Poisson rate);
+  `openloop`: the open-loop replay of a schedule, window by window; `traffic`: what the traffic
+  did (rates, batch sizes, tails) and the goodput at an SLO.
 - `runner`: the `Runner` protocol an engine implements to produce measurements.
 - `inprocess`: the Runner on this package's engine (batch 1 alone, batches and k = "auto" on the
   BatchEngine); `costcurves`: its c(k), v(k) measurement; `peers`: llama-cpp-python's own

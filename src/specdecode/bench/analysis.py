@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -290,7 +290,29 @@ def _sum_positions(rows: Sequence[Sequence[int]]) -> list[int]:
     return [sum(r[i] for r in rows if i < len(r)) for i in range(width)]
 
 
-def acceptance(samples: Sequence[RequestSample]) -> Acceptance:
+class Counted(Protocol):
+    """What acceptance is summed from: a request's counters (RequestSample), or an open-loop
+    window's read from a server's /metrics (ReplayRecord)."""
+
+    @property
+    def drafted(self) -> int: ...
+    @property
+    def accepted(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def rejections(self) -> int: ...
+    @property
+    def drafted_per_pos(self) -> list[int]: ...
+    @property
+    def accepted_per_pos(self) -> list[int]: ...
+    @property
+    def alpha_micro(self) -> int: ...
+    @property
+    def alpha_positions(self) -> int: ...
+
+
+def acceptance(samples: Sequence[Counted]) -> Acceptance:
     """Sum the counters of `samples` and derive the rates (NaN where undefined)."""
     drafted = sum(s.drafted for s in samples)
     accepted = sum(s.accepted for s in samples)
@@ -439,10 +461,11 @@ def measure_speedup(
 
 def batch_clusters(pairs: Sequence[tuple[RequestSample, RequestSample]]) -> list[int] | None:
     """The resampling unit of each pair: at batch 1 the pair itself (None); at batch > 1 its
-    batch group and turn on both sides, since the requests that ran together share one
-    timing. Resampling them as independent pairs gave intervals far narrower than the
-    run-to-run spread (docs/measurements/code-figures.md)."""
-    if all(p.batch_size <= 1 and s.batch_size <= 1 for p, s in pairs):
+    batch group and turn on both sides (open loop: its time block, bench.openloop), since the
+    requests that ran together share one timing. Resampling them as independent pairs gave
+    intervals far narrower than the run-to-run spread (docs/measurements/code-figures.md)."""
+    if all(p.batch_size <= 1 and s.batch_size <= 1 and s.scheduled_s is None
+           for p, s in pairs):  # (open loop: requests overlap at any batch size)
         return None
     labels: dict[tuple[int, int, int], int] = {}
     return [labels.setdefault((p.group, s.group, s.turn), len(labels)) for p, s in pairs]
@@ -636,7 +659,15 @@ class ConfigSummary:
 
 
 def wall_time(samples: Sequence[RequestSample]) -> float:
-    """Sum over (batch group, turn) of the slowest request's latency."""
+    """Sum over (batch group, turn) of the slowest request's latency; for an open-loop replay,
+    over its windows, from the first scheduled start to the last end."""
+    if samples and all(s.scheduled_s is not None for s in samples):
+        spans: dict[int, tuple[float, float]] = {}
+        for s in samples:
+            start, end = s.scheduled_s or 0.0, (s.scheduled_s or 0.0) + s.latency_s
+            low, high = spans.get(s.window, (start, end))
+            spans[s.window] = (min(low, start), max(high, end))
+        return sum(high - low for low, high in spans.values())
     slowest: dict[tuple[int, int], float] = {}
     for s in samples:
         key = (s.group, s.turn)
@@ -872,6 +903,9 @@ def _summarize(
 ) -> tuple[ConfigSummary, AuditVerdict | None]:
     samples = results.samples_of(spec.key)
     summary = _base_summary(spec, samples)
+    windows = [r for r in results.replays if (r.config, r.batch_size) == spec.key and r.steps]
+    if windows:  # an open-loop replay over HTTP: the windows' counters (bench.openloop)
+        summary.acceptance = acceptance([*samples, *windows])
     base = None if spec.is_plain else find_baseline(spec, results.header.configs)
     n_prompts = results.header.workload.get("n_prompts")
     n_arrivals = n_prompts if isinstance(n_prompts, int) else 0

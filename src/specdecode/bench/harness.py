@@ -15,15 +15,20 @@ Order of work in `run_bench`:
 5. cost curves, memory and audit verdicts from the runner (unless already stored);
 6. report.json and report.html, assembled from the results file, and the terminal summary
    (both flag the configurations measured under interference, see `interference`).
+
+With open-loop arrivals (`BenchOptions.arrivals`: recorded or Poisson, bench.arrivals) steps
+3-4 are bench.openloop's instead: windows of the schedule replayed by every configuration in
+turn, each request started when it is due, each sample written as it ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
@@ -31,8 +36,10 @@ from typing import TextIO
 from tqdm import tqdm
 
 from specdecode.bench.analysis import DEFAULT_RESAMPLES, Analysis, analyze, find_baseline
+from specdecode.bench.arrivals import Arrivals
 from specdecode.bench.hardware import detect_hardware
 from specdecode.bench.interference import Probe, assess, between, read_cpu_times
+from specdecode.bench.openloop import REPLAY_WINDOW_S, measure_replay
 from specdecode.bench.peers import is_peer
 from specdecode.bench.recommend import Recommendation, recommend
 from specdecode.bench.records import (
@@ -57,6 +64,7 @@ from specdecode.bench.store import (
     write_report_json,
 )
 from specdecode.bench.summary import render_summary
+from specdecode.bench.traffic import Slo, html_context, traffic, traffic_lines
 from specdecode.bench.workloads import (
     Prompt,
     Workload,
@@ -85,6 +93,9 @@ class BenchOptions:
     warmup: bool = True
     load_probe: Probe = read_cpu_times  # the CPU counters read around each measured batch
     fidelity: str | None = None  # several targets: the rule to recommend under (None: the run's)
+    arrivals: Arrivals = field(default_factory=Arrivals)  # closed loop, or an open-loop replay
+    replay_window_s: float = REPLAY_WINDOW_S  # open loop: seconds of arrivals per window
+    slo: Slo | None = None  # --slo: the goodput's bounds (an analysis choice, like fidelity)
 
 
 @dataclass
@@ -258,11 +269,13 @@ def finish(results_path: Path, options: BenchOptions, measured: int, resumed: in
     report_json = results_path.parent / REPORT_JSON
     report_html = results_path.parent / REPORT_HTML
     load = assess(results.header, results.samples)
-    write_report_json(report_json, build_report(results, {"analysis": analysis.to_dict(),
-                                                          "recommendation": rec.to_dict(),
-                                                          "load": load.to_dict()}))
-    write_html(report_html, analysis, rec)
-    summary = render_summary(analysis, rec, str(report_html))
+    flow = traffic(analysis, options.slo)  # open loop, or an SLO: bench.traffic
+    write_report_json(report_json, build_report(results, {
+        "analysis": analysis.to_dict(), "recommendation": rec.to_dict(),
+        "load": load.to_dict(), "traffic": flow.to_dict() if flow else None}))
+    write_html(report_html, analysis, rec, html_context(flow))
+    summary = render_summary(analysis, rec, str(report_html),
+                             traffic_lines(flow) if flow else [])
     return BenchOutcome(results_path, report_json, report_html, analysis, rec, summary,
                         measured, resumed)
 
@@ -280,14 +293,25 @@ def run_bench(
     preflight(options.out_dir, options.resume)
     validate_configs(configs)
     header = make_header(runner.describe(), workload, configs, options.seed)
+    if options.arrivals.open_loop:  # how the requests arrived: resume refuses another way
+        header.workload["arrivals"] = {**dataclasses.asdict(options.arrivals),
+                                       "window_s": None if math.isinf(options.replay_window_s)
+                                       else options.replay_window_s,
+                                       "described": options.arrivals.describe()}
     with open_store(options.out_dir, header, options.resume) as store:
         resumed = len(store.results.samples)
         tasks = [t for t in schedule(workload.prompts, configs)
                  if not task_units(t) <= store.done_units()]
         try:
-            if options.warmup and tasks:
-                warm_up(runner, tasks)
-            measured = measure(runner, store, tasks, options.progress, options.load_probe)
+            if options.arrivals.open_loop:
+                measured = measure_replay(
+                    runner, store, workload, configs, options.arrivals, options.seed,
+                    options.replay_window_s, options.progress, options.load_probe,
+                    (lambda t: warm_up(runner, t)) if options.warmup else None)
+            else:
+                if options.warmup and tasks:
+                    warm_up(runner, tasks)
+                measured = measure(runner, store, tasks, options.progress, options.load_probe)
             collect_extras(runner, store, configs)
         except KeyboardInterrupt:
             print(f"\ninterrupted: {len(store.results.samples)} samples are saved in "

@@ -147,6 +147,33 @@ def counter_delta(before: SpecCounters | None, after: SpecCounters | None) -> Sp
     return delta if min(values) >= 0 else None
 
 
+STEPS = "engine_steps"  # this server's steps by batch size (bench.openloop's replays read it)
+
+
+def read_steps(text: str, model: str | None = None) -> dict[int, int] | None:
+    """Engine steps by batch size in a /metrics text (`engine_steps_total{batch_size}`, this
+    project's server), for `model`; None when the server exports none."""
+    out: dict[int, int] = {}
+    for s in parse_exposition(text):
+        size = s.labels.get("batch_size", "")
+        if s.name == STEPS and size.isdigit() and math.isfinite(s.value) and \
+                (model is None or s.labels.get("model_name", model) == model):
+            out[int(size)] = out.get(int(size), 0) + round(s.value)
+    return out or None
+
+
+def steps_delta(before: dict[int, int] | None, after: dict[int, int] | None
+                ) -> list[float] | None:
+    """after - before as a list by batch size ([b - 1]); None when unknown or gone down."""
+    if before is None or after is None:
+        return None
+    delta = {b: n - before.get(b, 0) for b, n in after.items()}
+    if any(n < 0 for n in delta.values()):
+        return None
+    width = max(delta, default=0)
+    return [float(delta.get(b, 0)) for b in range(1, width + 1)]
+
+
 # ----------------------------------------------------------------------------- attribution
 
 

@@ -47,6 +47,17 @@ One request (one turn of one prompt):
 
 `check` probes every endpoint before anything is measured (GET /v1/models, GET /metrics, one
 two-token streamed request) and raises SpecDecodeError naming the URL when one cannot be used.
+
+A prompt that is a recorded OpenAI request (`Prompt.request`, bench.requests) is sent as it was,
+to its own route, with the endpoint's model id, streaming with usage, its max_tokens capped at
+`max_tokens_cap` and a seed where it has none (so every endpoint samples alike).
+
+`replay` runs a window of an open-loop replay (bench.openloop): every request is sent when it
+is due (a conversation's next turn when the reply before it has ended), each sample handed on
+as it ends, its TTFT and latency from when it was due. Before and after the window the
+endpoint's /metrics gives its speculation counters (the window's, on its ReplayRecord) and, for
+this project's server, its engine steps by batch size; for a server without them, the record
+holds the seconds during which 1, 2, ... requests were in flight, as the client saw them.
 """
 
 from __future__ import annotations
@@ -55,8 +66,8 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -70,18 +81,24 @@ from specdecode.bench.http_metrics import (
     batch_counters,
     counter_delta,
     read_counters,
+    read_steps,
+    steps_delta,
 )
+from specdecode.bench.openloop import Scheduled
 from specdecode.bench.records import (
     AuditVerdict,
     ConfigSpec,
     CostCurve,
     MemoryRecord,
+    ReplayRecord,
     RequestSample,
     text_ids,
 )
+from specdecode.bench.requests import CHAT
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt
 from specdecode.errors import SpecDecodeError
+from specdecode.server.record import REPLAY_HEADER
 from specdecode.version import __version__
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
@@ -341,7 +358,7 @@ def make_sample(config: ConfigSpec, request: HttpTurn, stream: Stream,
         latency_s=stream.end - stream.start, drafted=0, accepted=0, accepted_per_pos=[],
         drafted_per_pos=[], rejections=0, steps=0, draft_s=0.0, target_s=0.0, verify_s=0.0,
         output_token_ids=text_ids(text, tokens), text=text,
-        temperature=float(request.body.get("temperature", 0.0)),
+        temperature=float(request.body.get("temperature", request.prompt.temperature or 0.0)),
         started_at=stream.started_at, error=stream.error, valid=valid, forced=None,
         mask_s=None,
     )
@@ -421,6 +438,7 @@ class HttpRunner:
         self.info: dict[str, EndpointInfo] = {}
         self.judges = Judges()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers[REPLAY_HEADER] = "1"  # a `serve --record` server does not record what we send
         self._loop = asyncio.new_event_loop()
         self._client = httpx.AsyncClient(
             headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout,
@@ -554,8 +572,14 @@ class HttpRunner:
             raise SpecDecodeError(f"config {name}: no endpoint of that name")
         return self.endpoints[name]
 
-    def url(self, endpoint: Endpoint) -> str:
+    def url(self, endpoint: Endpoint, prompt: Prompt | None = None) -> str:
+        """The route a prompt goes to: a recorded request's own, else by `chat`."""
+        if prompt is not None and prompt.request is not None:
+            return f"{endpoint.url}{prompt.route}"
         return f"{endpoint.api}/{'chat/completions' if self.chat else 'completions'}"
+
+    def is_chat(self, prompt: Prompt) -> bool:
+        return prompt.route == CHAT if prompt.request is not None else self.chat
 
     def max_tokens(self, prompt: Prompt) -> int:
         """The prompt's max_tokens (else the default), capped at `max_tokens_cap`."""
@@ -565,6 +589,8 @@ class HttpRunner:
     def body(self, name: str, prompt: Prompt, turn: int, replies: Sequence[str],
              temperature: float) -> dict[str, Any]:
         """The JSON body of one streamed request."""
+        if prompt.request is not None:
+            return self.recorded_body(name, prompt, turn)
         turns = prompt.turns[:turn + 1]
         body: dict[str, Any] = {
             "model": self.info[name].model, "max_tokens": self.max_tokens(prompt),
@@ -576,6 +602,18 @@ class HttpRunner:
         else:
             body["prompt"] = joined_text(turns, replies)
         body.update(request_fields(prompt.constraint, self.chat, prompt.id))
+        return body
+
+    def recorded_body(self, name: str, prompt: Prompt, turn: int) -> dict[str, Any]:
+        """A recorded request's body as it was, for this endpoint (see the module docstring)."""
+        assert prompt.request is not None
+        body = {**prompt.request, "model": self.info[name].model, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.max_tokens_cap:
+            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            body[key] = min(body.get(key) or self.max_tokens_cap, self.max_tokens_cap)
+        if body.get("seed") is None:
+            body["seed"] = request_seed(prompt, turn, self.seed)
         return body
 
     def _counters(self, endpoint: Endpoint) -> SpecCounters | None:
@@ -594,7 +632,8 @@ class HttpRunner:
     def _batch(self, endpoint: Endpoint, requests: Sequence[HttpTurn]) -> list[Stream]:
         async def run_all() -> list[Stream]:
             return list(await asyncio.gather(*(
-                stream_request(self._client, self.url(endpoint), r.body, self.chat)
+                stream_request(self._client, self.url(endpoint, r.prompt), r.body,
+                               self.is_chat(r.prompt))
                 for r in requests)))
         return self._loop.run_until_complete(run_all())
 
@@ -640,6 +679,52 @@ class HttpRunner:
                                                   [s.output_tokens for s in samples], stopped))
         return samples
 
+    # ------------------------------------------------------------------ open-loop replay
+
+    def replay(self, requests: Sequence[Scheduled], config: ConfigSpec,
+               emit: Callable[[RequestSample], None]) -> ReplayRecord:
+        """One window of an open-loop replay (see the module docstring)."""
+        endpoint = self.endpoint(config.name)
+        if endpoint.name not in self.info:
+            self.probe(endpoint)
+        before, steps_before = self._scrape_window(endpoint)
+        window = _Window(self, config, endpoint, emit)
+        self._loop.run_until_complete(window.run(requests))
+        after, steps_after = self._scrape_window(endpoint)
+        steps = steps_delta(steps_before, steps_after)
+        counters = batch_counters(counter_delta(before, after), window.tokens, window.stopped) \
+            if not window.failed else None
+        sends = [sent for _, sent in window.sent_first]
+        firsts = [at for at, _ in window.sent_first]
+        record = ReplayRecord(
+            config=config.name, batch_size=config.batch_size, window=0, start_s=0.0,
+            requests=len(requests), span_s=max(firsts) - min(firsts) if firsts else 0.0,
+            sent_span_s=max(sends) - min(sends) if sends else 0.0,
+            late_max_s=max((sent - at for at, sent in window.sent_first), default=0.0),
+            steps_by_batch=steps if steps is not None else window.in_flight,
+            batch_source="server engine_steps_total" if steps is not None else "in flight")
+        if counters is None:
+            return record
+        return replace(record, drafted=counters.drafted, accepted=counters.accepted,
+                       drafted_per_pos=list(counters.drafted_per_pos),
+                       accepted_per_pos=list(counters.accepted_per_pos),
+                       rejections=counters.rejections, steps=counters.steps)
+
+    def _scrape_window(self, endpoint: Endpoint
+                       ) -> tuple[SpecCounters | None, dict[int, int] | None]:
+        """The endpoint's speculation counters and engine steps by batch size, now."""
+        try:
+            response = self._loop.run_until_complete(
+                self._client.get(f"{endpoint.url}/metrics"))
+        except httpx.HTTPError:
+            return None, None
+        if response.status_code != 200:
+            return None, None
+        model = self.info[endpoint.name].model
+        counters = read_counters(response.text, model) if self.info[endpoint.name].counters \
+            else None
+        return counters, read_steps(response.text, model)
+
     # ------------------------------------------------------- protocol: what HTTP cannot see
 
     def cost_curves(self, configs: Sequence[ConfigSpec]) -> list[CostCurve]:
@@ -653,6 +738,70 @@ class HttpRunner:
     def audit(self, config: ConfigSpec) -> list[AuditVerdict]:
         """None beyond the harness's greedy check (texts compared): []."""
         return []
+
+
+@dataclass
+class _Window:
+    """One window's open loop over HTTP (HttpRunner.replay): the requests in flight, what
+    they produced, and the seconds spent at each number of requests in flight."""
+
+    runner: HttpRunner
+    config: ConfigSpec
+    endpoint: Endpoint
+    emit: Callable[[RequestSample], None]
+    start: float = 0.0
+    sent_first: list[tuple[float, float]] = field(default_factory=list)  # (due, sent), turn 0
+    tokens: list[int] = field(default_factory=list)
+    stopped: int = 0
+    failed: bool = False
+    in_flight: list[float] = field(default_factory=list)  # [n - 1]: seconds at n in flight
+    _flying: int = 0
+    _since: float = 0.0
+
+    async def run(self, requests: Sequence[Scheduled]) -> None:
+        self.start = self._since = time.perf_counter()
+        await asyncio.gather(*(self._conversation(r) for r in requests))
+
+    def _fly(self, change: int) -> None:
+        """Count the time spent at the current number in flight, then change it."""
+        now = time.perf_counter()
+        if self._flying > 0:
+            while len(self.in_flight) < self._flying:
+                self.in_flight.append(0.0)
+            self.in_flight[self._flying - 1] += now - self._since
+        self._flying, self._since = self._flying + change, now
+
+    async def _conversation(self, item: Scheduled) -> None:
+        """A prompt's turns: the first when due, each next one when the reply before ends."""
+        await asyncio.sleep(max(0.0, item.at - (time.perf_counter() - self.start)))
+        prompt, due, runner = item.prompt, item.at, self.runner
+        replies: list[str] = []
+        for turn in range(len(prompt.turns)):
+            body = runner.body(self.endpoint.name, prompt, turn, replies,
+                               effective_temperature(prompt, self.config))
+            request = HttpTurn(prompt, turn, body)
+            sent = time.perf_counter() - self.start
+            if turn == 0:
+                self.sent_first.append((due, sent))
+            self._fly(+1)
+            stream = await stream_request(runner._client, runner.url(self.endpoint, prompt),
+                                          body, runner.is_chat(prompt))
+            self._fly(-1)
+            sample = make_sample(self.config, request, stream, runner.judges)
+            late = sent - due  # times from when it was due, not when it was sent
+            sample = replace(sample, ttft_s=sample.ttft_s + late,
+                             latency_s=sample.latency_s + late, scheduled_s=due, sent_s=sent)
+            self.tokens.append(sample.output_tokens)
+            self.stopped += stream.finish_reason == "stop"
+            self.emit(sample)
+            if sample.failed:
+                self.failed = True
+                for later in range(turn + 1, len(prompt.turns)):
+                    self.emit(not_run(self.config, prompt, later, f"not run: turn {turn} "
+                                      f"failed ({sample.error})"))
+                return
+            replies.append(sample.text)
+            due = time.perf_counter() - self.start
 
 
 def server_hardware(endpoints: Sequence[Endpoint]) -> dict[str, object]:

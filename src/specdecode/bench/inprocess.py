@@ -22,15 +22,29 @@ Batch size 1 with a fixed k runs each request alone (`Generation.step`, the batc
 size > 1 runs each group's turn on an `engine.BatchEngine` (one shared KV cache, one target pass
 for all rows per step), and so does k = "auto" at any batch size, with one `control.Controller`
 per configuration that keeps learning over the run, as a server's would.
+
+A prompt that is a recorded OpenAI request (`Prompt.request`, bench.requests) runs as the
+server runs it: its messages rendered with the chat template, contents as text (or its
+completion prompt), its sampling parameters, max_tokens (none: all the room the context
+leaves, as `serve` for chat; 16 for a completion) and constraint, checked by the server's own
+functions (server.prepare); a seed drawn as for any request where it has none, so every
+configuration samples alike.
+
+`replay` runs a window of an open-loop replay (bench.openloop) on one BatchEngine of
+`batch_size` rows: each request is submitted at the first step boundary after it is due
+(templated and tokenized before the clock starts), a conversation's next turn when the reply
+before it has ended; times run from the scheduled start, and the steps are counted by how
+many requests they decoded.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,12 +55,14 @@ from tqdm import tqdm
 from specdecode import engine
 from specdecode.audit import POWER, TV_REAL, audit_sampled, samples_to_detect
 from specdecode.bench.costcurves import cost_curve, repeating_context, target_rows
+from specdecode.bench.openloop import Scheduled
 from specdecode.bench.peers import LlamaCppPeers, is_peer
 from specdecode.bench.records import (
     AuditVerdict,
     ConfigSpec,
     CostCurve,
     MemoryRecord,
+    ReplayRecord,
     RequestSample,
     drafter_options,
 )
@@ -212,6 +228,97 @@ def to_sample(config: ConfigSpec, request: TurnRequest, done: Finished) -> Reque
     )
 
 
+# ------------------------------------------------------------------------ open-loop replay
+
+
+@dataclass
+class _Live:
+    """A turn the open loop has submitted: its request, trace, generation and drafter."""
+
+    request: TurnRequest
+    replies: list[str]
+    trace: RequestTrace
+    gen: Generation
+    drafter: Drafter | None
+    at: float  # due, seconds from the window's start
+    sent: float  # submitted, the same clock
+    draft_kv: int = 0
+
+
+@dataclass
+class _OpenLoop:
+    """One window's open loop on a BatchEngine (InProcessRunner.replay)."""
+
+    runner: InProcessRunner
+    config: ConfigSpec
+    batch: engine.BatchEngine
+    emit: Callable[[RequestSample], None]
+    # (due, order, request, replies so far): kept sorted by (due, order)
+    due: list[tuple[float, int, TurnRequest, list[str]]] = field(default_factory=list)
+    live: dict[int, _Live] = field(default_factory=dict)
+    sent_first: list[tuple[float, float]] = field(default_factory=list)  # (due, sent), turn 0
+    steps_by_batch: list[int] = field(default_factory=list)
+    start: float = 0.0
+
+    def run(self) -> None:
+        self.due.sort(key=lambda d: (d[0], d[1]))
+        self.steps_by_batch = [0] * self.batch.max_batch
+        self.start = time.perf_counter()
+        while self.due or self.batch.busy:
+            self._submit_due()
+            if self.batch.busy:
+                self._step()
+            elif self.due:  # idle until the next arrival
+                time.sleep(max(0.0, min(self.due[0][0] - self._now(), 0.05)))
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def _submit_due(self) -> None:
+        now = self._now()
+        while self.due and self.due[0][0] <= now:
+            at, _, request, replies = self.due.pop(0)
+            factory = self.runner.factory(self.config)
+            drafter = factory() if factory else None
+            gen = Generation(self.runner.loaded.model, self.runner.loaded.tokenizer,
+                             request.prompt_ids, request.params, drafter,
+                             config_k(self.config), self.runner.eos_ids,
+                             category=request.prompt.category, constraint=request.constraint)
+            self.batch.submit(gen)
+            trace = RequestTrace(self.start + at)  # times run from when it was due
+            self.live[id(gen)] = _Live(request, replies, trace, gen, drafter, at, self._now())
+            if request.turn == 0:
+                self.sent_first.append((at, self._now()))
+
+    def _step(self) -> None:
+        for item in self.live.values():  # read before a finish frees it
+            if item.drafter is not None:
+                item.draft_kv = max(item.draft_kv, item.drafter.kv_bytes())
+        outputs = self.batch.step()
+        now = time.perf_counter()
+        if outputs:
+            self.steps_by_batch[len(outputs) - 1] += 1
+        for gen, out in outputs:
+            item = self.live[id(gen)]
+            item.trace.observe(out, now)
+            if out.finish_reason is not None:
+                self._finish(self.live.pop(id(gen)))
+
+    def _finish(self, item: _Live) -> None:
+        """Emit a finished turn's sample; queue its conversation's next turn, due now."""
+        gen, request = item.gen, item.request
+        done = Finished(list(gen.output), item.trace, gen.counters, gen.counters.rejections,
+                        kv_bytes(self.batch.cache), item.draft_kv, constraint_valid(gen))
+        self.runner._observe(self.config, request, done)
+        self.emit(replace(to_sample(self.config, request, done), scheduled_s=item.at,
+                          sent_s=item.sent))
+        prompt, turn = request.prompt, request.turn + 1
+        if turn < len(prompt.turns):
+            replies = [*item.replies, "".join(item.trace.text)]
+            nxt = self.runner.request(prompt, turn, replies, self.config)
+            bisect.insort(self.due, (self._now(), -1, nxt, replies), key=lambda d: d[:2])
+
+
 # ---------------------------------------------------------------------------- conversations
 
 
@@ -302,6 +409,7 @@ class InProcessRunner:
         self._hash: str | None = None
         self._peers: LlamaCppPeers | None = None
         self._constraints: dict[tuple[str, str], Any] = {}
+        self._prompt_encoder: Any = None
 
     # ---------------------------------------------------------------- protocol: description
 
@@ -332,6 +440,72 @@ class InProcessRunner:
         n = prompt.max_tokens or self.default_max_tokens
         return min(n, self.max_tokens_cap) if self.max_tokens_cap else n
 
+    def _encoder(self) -> Any:
+        """The server's prompt encoder over this tokenizer (message contents as text)."""
+        if self._prompt_encoder is None:
+            from specdecode.server.tokens import PromptEncoder
+
+            self._prompt_encoder = PromptEncoder(self.loaded.tokenizer)
+        return self._prompt_encoder
+
+    def _request_ids(self, prompt: Prompt) -> tuple[Any, list[int]]:
+        """A recorded request, checked as the server checks it, and its prompt's token ids."""
+        from specdecode.bench.requests import CHAT, validate
+        from specdecode.server import prepare
+        from specdecode.server.openai_errors import APIError
+
+        assert prompt.request is not None
+        req = validate(prompt.request, prompt.route)
+        try:
+            if prompt.route == CHAT:
+                return req, prepare.chat_prompt(req, self._encoder())
+            return req, prepare.completion_prompt(req, self._encoder(),
+                                                  int(self.loaded.model.cfg.vocab_size))
+        except APIError as exc:
+            raise SpecDecodeError(f"prompt {prompt.id} ({prompt.source}): {exc.message}") \
+                from None
+
+    def _request_bound(self, prompt: Prompt) -> int:
+        """Tokens a recorded request may take: its prompt and max_tokens (chat without one:
+        the whole context, as the server gives it all the room; a completion: 16)."""
+        from specdecode.bench.requests import CHAT
+        from specdecode.server.prepare import DEFAULT_COMPLETION_TOKENS
+
+        context = int(self.loaded.model.cfg.max_position)
+        default = context if prompt.route == CHAT else DEFAULT_COMPLETION_TOKENS
+        ids = self._request_ids(prompt)[1]
+        return min(len(ids) + self.max_tokens_of(prompt, default), context)
+
+    def max_tokens_of(self, prompt: Prompt, default: int) -> int:
+        """A recorded request's max_tokens (else `default`), capped at `max_tokens_cap`."""
+        n = prompt.max_tokens or default
+        return min(n, self.max_tokens_cap) if self.max_tokens_cap else n
+
+    def _replayed(self, prompt: Prompt, turn: int, config: ConfigSpec) -> TurnRequest:
+        """A recorded request as the server would run it (see the module docstring)."""
+        from specdecode.bench.requests import CHAT
+        from specdecode.server import prepare
+        from specdecode.server.openai_errors import APIError
+
+        req, ids = self._request_ids(prompt)
+        k = config_k(config)
+        window = min(int(self.loaded.model.cfg.max_position), self.capacity - k - 1)
+        requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        try:
+            limit = prepare.max_tokens(requested, len(ids), window, None if prompt.route == CHAT
+                                       else prepare.DEFAULT_COMPLETION_TOKENS)
+            params = prepare.sampling_params(req, limit, int(self.loaded.model.cfg.vocab_size))
+        except APIError as exc:
+            raise SpecDecodeError(f"prompt {prompt.id} ({prompt.source}): {exc.message}") \
+                from None
+        if self.max_tokens_cap:
+            params = replace(params, max_tokens=min(params.max_tokens, self.max_tokens_cap))
+        if params.seed is None:
+            params = replace(params, seed=request_seed(prompt, turn, self.seed))
+        if config.temperature is not None:
+            params = replace(params, temperature=config.temperature)
+        return TurnRequest(prompt, turn, ids, params, self._constraint(prompt))
+
     def fit_capacity(self, prompts: Sequence[Prompt], kmax: int) -> int:
         """Set `capacity` to a bound on any request of `prompts` (whole conversation, every
         turn's max_tokens, a margin per turn for re-tokenized replies) and return it.
@@ -340,6 +514,9 @@ class InProcessRunner:
         """
         need = 1
         for p in prompts:
+            if p.request is not None:
+                need = max(need, self._request_bound(p) + kmax + 1)
+                continue
             text = conversation_text(self.loaded.tokenizer, p.turns, [""] * len(p.turns),
                                      self.chat)
             bound = len(self.loaded.tokenizer.encode(text)) + len(p.turns) * (
@@ -379,6 +556,8 @@ class InProcessRunner:
     def request(self, prompt: Prompt, turn: int, replies: Sequence[str],
                 config: ConfigSpec) -> TurnRequest:
         """Template and tokenize one turn; refuse a request beyond the drafter's capacity."""
+        if prompt.request is not None:
+            return self._replayed(prompt, turn, config)
         tok = self.loaded.tokenizer
         text = conversation_text(tok, prompt.turns[:turn + 1], replies, self.chat)
         params = SamplingParams(temperature=effective_temperature(prompt, config),
@@ -483,6 +662,31 @@ class InProcessRunner:
                 replies[request.prompt.id].append("".join(done.trace.text))
                 samples.append(to_sample(config, request, done))
         return samples
+
+    # ------------------------------------------------------------------ open-loop replay
+
+    def replay(self, requests: Sequence[Scheduled], config: ConfigSpec,
+               emit: Callable[[RequestSample], None]) -> ReplayRecord:
+        """One window of an open-loop replay (see the module docstring)."""
+        if is_peer(config.drafter):
+            raise SpecDecodeError(f"config {config.name}: the llama-cpp-python peers do not "
+                                  "replay open loop")
+        k = config_k(config)
+        controller = self._controller(config, k) if config.k == "auto" else None
+        loop = _OpenLoop(self, config, engine.BatchEngine(
+            self.loaded.model, config.batch_size, self.capacity, controller), emit)
+        for n, item in enumerate(requests):  # templated and tokenized before the clock
+            loop.due.append((item.at, n, self.request(item.prompt, 0, [], config), []))
+        loop.run()
+        firsts = [at for at, _ in loop.sent_first]
+        sends = [sent for _, sent in loop.sent_first]
+        return ReplayRecord(
+            config=config.name, batch_size=config.batch_size, window=0, start_s=0.0,
+            requests=len(requests),
+            span_s=max(firsts) - min(firsts) if firsts else 0.0,
+            sent_span_s=max(sends) - min(sends) if sends else 0.0,
+            late_max_s=max((sent - at for at, sent in loop.sent_first), default=0.0),
+            steps_by_batch=[float(n) for n in loop.steps_by_batch], batch_source="engine")
 
     # ---------------------------------------------------------- protocol: costs and memory
 

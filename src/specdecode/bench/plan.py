@@ -28,8 +28,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from specdecode.bench.arrivals import Arrivals, offsets, parse_arrivals
+from specdecode.bench.openloop import REPLAY_WINDOW_S
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec, drafter_options
+from specdecode.bench.traffic import Slo, parse_slo
 from specdecode.bench.workloads import (
     BUILTIN_WORKLOADS,
     REPETITIVE_WORKLOAD,
@@ -291,6 +294,11 @@ class BenchPlan:
     fidelity: str | None = None  # --fidelity (a resumed run is recommended under the new one)
     skipped: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     no_reference: str | None = None
+    # how requests arrive (closed loop, or an open-loop replay: bench.arrivals, bench.openloop),
+    # the replay's window, and --slo (bench.traffic)
+    arrivals: Arrivals = dataclasses.field(default_factory=Arrivals)
+    replay_window_s: float = REPLAY_WINDOW_S
+    slo: Slo | None = None
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -334,6 +342,7 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
                                args.strict, getattr(args, "specbench", None), args.seed)
     workload = constrain_workload(workload, spec_from_namespace(args))
     report_skipped(workload, err)
+    arrivals, window, slo = traffic_options(args, workload, err)
     cap = args.max_tokens if args.max_tokens is not None else (
         DEFAULT_MAX_TOKENS_CAP if args.workload in (None, "default") else None)
     out_dir = preflight(args.out or default_out_dir(), args.resume)
@@ -341,7 +350,30 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
                      progress=not args.quiet, n_resamples=args.resamples,
                      targets=bool(getattr(args, "targets", None)), skipped=skipped,
                      fidelity=getattr(args, "fidelity", None),
-                     no_reference=no_reference)
+                     no_reference=no_reference, arrivals=arrivals, replay_window_s=window,
+                     slo=slo)
+
+
+def traffic_options(args: argparse.Namespace, workload: Workload, err: TextIO
+                    ) -> tuple[Arrivals, float, Slo | None]:
+    """--arrivals, --speed, --replay-window and --slo, checked against the workload (recorded
+    arrivals need arrival times; --targets replays nothing); the workload's notes (sessions,
+    lines out of order) printed."""
+    arrivals = parse_arrivals(getattr(args, "arrivals", None), getattr(args, "speed", 1.0))
+    window = getattr(args, "replay_window", None)
+    window = REPLAY_WINDOW_S if window is None else window
+    if not window > 0:
+        raise SpecDecodeError(f"--replay-window must be > 0 seconds (inf: one window), got "
+                              f"{window}")
+    if arrivals.open_loop:
+        if getattr(args, "targets", None):
+            raise SpecDecodeError("--arrivals recorded|poisson replays one target; --targets "
+                                  "measures closed loop")
+        offsets(workload.prompts, arrivals, args.seed)  # recorded: every prompt has a time
+    slo = parse_slo(getattr(args, "slo", None))
+    for note in workload.notes:
+        print(f"specdecode: note: {workload.path}: {note}", file=err)
+    return arrivals, window, slo
 
 
 def constrain_workload(workload: Workload, spec: Any) -> Workload:
@@ -446,7 +478,9 @@ def execute(runner: Any, plan: BenchPlan, out: TextIO) -> Any:
 
     options = BenchOptions(plan.out_dir, resume=plan.resume, seed=plan.seed,
                            n_resamples=plan.n_resamples or DEFAULT_RESAMPLES,
-                           progress=plan.progress, fidelity=plan.fidelity)
+                           progress=plan.progress, fidelity=plan.fidelity,
+                           arrivals=plan.arrivals, replay_window_s=plan.replay_window_s,
+                           slo=plan.slo)
     return run_bench(runner, plan.workload, plan.configs, options, out=out)
 
 

@@ -40,6 +40,13 @@ written before it was recorded), `repeat_group` the document it is about ("" whe
 none) and `repeat_index` how many requests of that group came before it (0: the first). The
 report follows acceptance from cold to warm with them (`analysis.warmup_summary`).
 
+Open-loop replay (`bench --arrivals recorded|poisson:RATE`, bench.openloop): `scheduled_s` is
+when the request was due, `sent_s` when it was actually submitted (or sent), both in seconds
+from the replay's first arrival (None in a closed-loop run), `window` the replay window it ran
+in. There `ttft_s` and `latency_s` run from `scheduled_s`, not from submission: a request that
+waited for a free row, or behind a late client, waited as a user would (no coordinated
+omission). Each window of each configuration also leaves a `ReplayRecord`.
+
 Machine load: `load` is the harness's reading of the CPU counters around the batch the request
 ran in (`bench.interference.LoadReading` as a dict: wall_s, other_cores, steal_cores,
 own_cores, load1, cores); empty when not recorded (files written before it existed).
@@ -190,6 +197,10 @@ class RequestSample:
     arrival: int = -1
     repeat_group: str = ""
     repeat_index: int = 0
+    # open-loop replay (see above; None / -1 in a closed-loop run)
+    scheduled_s: float | None = None
+    sent_s: float | None = None
+    window: int = -1
 
     @property
     def failed(self) -> bool:
@@ -416,13 +427,61 @@ class AuditVerdict:
         return _build(cls, data, "audit verdict")
 
 
-Record = RequestSample | CostCurve | MemoryRecord | AuditVerdict
+@dataclass(frozen=True)
+class ReplayRecord:
+    """One window of an open-loop replay under one configuration (bench.openloop).
+
+    `start_s`: the window's first arrival, from the replay's first; `requests`: its arrivals
+    (a conversation's later turns, sent as the replies before them end, are not); `span_s`:
+    its last scheduled arrival after its first; `sent_span_s`: the same, measured (first to
+    last submission); `late_max_s`: the latest a request was submitted after it was due.
+    `steps_by_batch[b - 1]`: engine steps that decoded b requests (exact in process; over HTTP
+    from the server's engine_steps_total where it exports it), or with `batch_source` "in
+    flight" the seconds during which b requests were in flight, as the client saw them (other
+    servers). Over HTTP the window's speculation counters, read from /metrics before and after
+    it, are the record's (as for a batch: see http_metrics); in process they are the samples'
+    own and these stay 0.
+    """
+
+    config: str
+    batch_size: int
+    window: int
+    start_s: float
+    requests: int
+    span_s: float
+    sent_span_s: float
+    late_max_s: float
+    steps_by_batch: list[float]
+    batch_source: str  # "engine" | "server engine_steps_total" | "in flight" | ""
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    rejections: int = 0
+    steps: int = 0
+    alpha_micro: int = 0
+    alpha_positions: int = 0
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.config, self.batch_size, self.window)
+
+    def to_dict(self) -> JsonDict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> ReplayRecord:
+        return _build(cls, data, "replay record")
+
+
+Record = RequestSample | CostCurve | MemoryRecord | AuditVerdict | ReplayRecord
 
 RECORD_KINDS: dict[str, type[Record]] = {
     "sample": RequestSample,
     "cost_curve": CostCurve,
     "memory": MemoryRecord,
     "audit": AuditVerdict,
+    "replay": ReplayRecord,
 }
 
 

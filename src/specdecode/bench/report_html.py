@@ -710,8 +710,9 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
-    """The full report page as a string."""
+def render_html(analysis: Analysis, recommendation: Recommendation,
+                extra: dict[str, Any] | None = None) -> str:
+    """The full report page as a string; `extra`: more sections' context (bench.traffic)."""
     env = _environment()
     header = analysis.results.header
     headline = recommendation.render().splitlines()[0]
@@ -743,10 +744,12 @@ def render_html(analysis: Analysis, recommendation: Recommendation) -> str:
         "prompts": prompts_from_description(header.workload),
         **_table_rows(analysis),
         **_load_context(analysis),
+        "traffic": None, **(extra or {}),
     }
     return env.get_template(TEMPLATE).render(**context)
 
 
-def write_html(path: str | Path, analysis: Analysis, recommendation: Recommendation) -> None:
+def write_html(path: str | Path, analysis: Analysis, recommendation: Recommendation,
+               extra: dict[str, Any] | None = None) -> None:
     """Render the report and write it atomically to `path`."""
-    atomic_write_text(path, render_html(analysis, recommendation))
+    atomic_write_text(path, render_html(analysis, recommendation, extra))

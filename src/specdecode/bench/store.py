@@ -1,11 +1,12 @@
 """Where results go: an append-only JSONL file written as measurements are made, and report.json.
 
 `results.jsonl` holds the run header on its first line, then one record a line
-(`{"kind": "sample" | "cost_curve" | "memory" | "audit", "data": {...}}`), each flushed and
-fsync'd before the next measurement starts: Ctrl-C or a crash loses nothing already measured, at
-worst a last line cut short, which reading ignores. `--resume` reopens such a file, refuses it if
-its header describes a different model, workload, machine or set of configurations, and reports
-which (config, prompt, turn, batch_size) units are done so the harness skips them. A failed
+(`{"kind": "sample" | "cost_curve" | "memory" | "audit" | "replay", "data": {...}}`), each
+flushed and fsync'd before the next measurement starts: Ctrl-C or a crash loses nothing
+already measured, at worst a last line cut short, which reading ignores. `--resume` reopens
+such a file, refuses it if its header describes a different model, workload (or arrivals),
+machine or set of configurations, and reports which (config, prompt, turn, batch_size) units
+are done so the harness skips them. A failed
 request (a "sample" whose "error" is set, e.g. an HTTP 500 from an endpoint) is kept, with what it
 measured before failing, in `Results.failures` and report.json's "failures": it is in no
 statistic, and --resume measures its unit again. So does a request measured under interference
@@ -33,6 +34,7 @@ from specdecode.bench.records import (
     CostCurve,
     MemoryRecord,
     Record,
+    ReplayRecord,
     RequestSample,
     RunHeader,
     kind_of,
@@ -59,6 +61,8 @@ class Results:
     cost_curves: list[CostCurve] = field(default_factory=list)
     memory: list[MemoryRecord] = field(default_factory=list)
     audits: list[AuditVerdict] = field(default_factory=list)
+    # open-loop replay windows; a window replayed again (--resume) replaces the earlier record
+    replays: list[ReplayRecord] = field(default_factory=list)
     truncated_tail: bool = False  # the last line was cut short (a crash mid-write), ignored
     _where: dict[UnitKey, int] = field(default_factory=dict, repr=False, compare=False)
 
@@ -74,6 +78,8 @@ class Results:
             self.cost_curves.append(record)
         elif isinstance(record, MemoryRecord):
             self.memory.append(record)
+        elif isinstance(record, ReplayRecord):
+            self.replays = [r for r in self.replays if r.key != record.key] + [record]
         else:
             self.audits.append(record)
 
@@ -186,6 +192,10 @@ def header_mismatches(old: RunHeader, new: RunHeader) -> list[str]:
     old_fp, new_fp = old.workload.get("fingerprint"), new.workload.get("fingerprint")
     if old_fp != new_fp:
         out.append(f"workload fingerprint {old_fp} != {new_fp}")
+    old_arrivals, new_arrivals = old.workload.get("arrivals"), new.workload.get("arrivals")
+    if old_arrivals != new_arrivals:
+        out.append(f"arrivals {(old_arrivals or {}).get('described', 'closed loop')} != "
+                   f"{(new_arrivals or {}).get('described', 'closed loop')}")
     hw_fields = ("cpu_model", "cpu_cores", "torch_threads", "accelerator")
     for name in hw_fields:
         a, b = getattr(old.hardware, name), getattr(new.hardware, name)
@@ -272,6 +282,7 @@ def build_report(results: Results, derived: dict[str, Any] | None = None) -> dic
         "cost_curves": [c.to_dict() for c in results.cost_curves],
         "memory": [m.to_dict() for m in results.memory],
         "audits": [a.to_dict() for a in results.audits],
+        "replays": [r.to_dict() for r in results.replays],
     }
     report.update(derived or {})
     return report
@@ -288,7 +299,8 @@ def results_from_report(report: object) -> Results:
         raise SpecDecodeError("not a specdecode report: no header")
     results = Results(header=RunHeader.from_dict(report["header"]))
     for kind, key in (("sample", "superseded"), ("sample", "samples"), ("sample", "failures"),
-                      ("cost_curve", "cost_curves"), ("memory", "memory"), ("audit", "audits")):
+                      ("cost_curve", "cost_curves"), ("memory", "memory"), ("audit", "audits"),
+                      ("replay", "replays")):
         for item in report.get(key, []):
             results.add(record_from_dict(kind, item))
     return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from specdecode.bench import interference
@@ -83,9 +84,11 @@ def load_lines(report: interference.LoadReport, out_dir: Path | None) -> list[st
 
 
 def render_summary(
-    analysis: Analysis, recommendation: Recommendation, report_path: str | None = None
+    analysis: Analysis, recommendation: Recommendation, report_path: str | None = None,
+    extra: Sequence[str] = (),
 ) -> str:
-    """The whole terminal summary: setup line, per batch size the configs, the verdict."""
+    """The whole terminal summary: setup line, per batch size the configs, `extra` lines (the
+    traffic of an open-loop replay: bench.traffic), the verdict."""
     header = analysis.results.header
     load = interference.assess(header, analysis.results.samples)
     lines = [f"specdecode bench: {header.model.name} ({header.model.precision}) on "
@@ -104,6 +107,7 @@ def render_summary(
                     lines.append(f"  {'':<18} INTERFERENCE: {measured.n_disturbed} of "
                                  f"{measured.n_requests} requests measured while other work "
                                  f"kept up to {measured.max_taken_cores:.1f} cores busy")
+    lines += extra
     lines += load_lines(load, Path(report_path).parent if report_path else None)
     lines.append(recommendation.render())
     if report_path:

@@ -14,6 +14,16 @@ constraint (docs/structured-output.md): "json_schema" (a schema object), "regex"
 which the report follows from cold to warm). Blank lines are ignored. A malformed
 line is reported as `path:line: reason` and skipped, or refused in strict mode.
 
+- OpenAI requests: a `serve --record` recording or any log of request bodies (`bench.requests`:
+  `{"request": BODY, "arrival_s"...}`, or a bare body with "messages", or "model" and
+  "prompt"), checked as the server checks them; each is one turn sent as it was (`request`),
+  with its arrival time (`arrival_s`, from the first request; sorted into arrival order).
+
+Files are read a line at a time (a line over MAX_LINE_BYTES is malformed), the selection
+applied as they are read, so a recording of a gigabyte is never held whole: only the prompts
+kept are. A last line cut short (a recording truncated mid-line, or still being written) is
+skipped and named, even in strict mode: the rest replays.
+
 The repetitive workload (`build_repetitive`, `--workload repetitive`) is built from summarization,
 RAG and coding prompts (Spec-Bench's, or the small built-in set in repetitive_source.jsonl): each
 document is asked about again with other instructions, and the requests of one document are
@@ -22,16 +32,27 @@ spread over the run (see `spread_order`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from specdecode.bench.requests import (
+    RecordedArrival,
+    Recording,
+    RequestLineError,
+    arrange,
+    arrival_of,
+    is_header,
+    is_request,
+    parse_request,
+)
 from specdecode.errors import SpecDecodeError
 
 DEFAULT_CATEGORY = "uncategorized"
@@ -60,6 +81,12 @@ class Prompt:
     # the document this request is about, shared by the requests that ask about it again
     # (None: a request of its own); the report compares a group's first request with its repeats
     repeat_group: str | None = None
+    # an OpenAI request replayed as it was sent (bench.requests): its body and route; None for
+    # a prompt the runner renders from its turns
+    request: dict[str, Any] | None = None
+    route: str = ""
+    # seconds after the workload's first arrival at which it arrived (None: unknown)
+    arrival_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +102,10 @@ class Workload:
     skipped: list[str] = field(default_factory=list)
     categories: list[str] | None = None
     limit_per_category: int | None = None
+    # what the file says beyond its prompts: sessions, lines out of arrival order (notes), the
+    # models a recording was made with (bench.requests.Recording.models)
+    notes: list[str] = field(default_factory=list)
+    recorded_with: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def known_categories(self) -> list[str]:
@@ -124,6 +155,8 @@ def parse_prompt(obj: object, default_id: str, source: str) -> Prompt:
     """Read one decoded JSON line as a Prompt, detecting its format; raise MalformedLine."""
     if not isinstance(obj, dict):
         raise MalformedLine(f"expected a JSON object, got {type(obj).__name__}")
+    if is_request(obj):
+        return request_prompt(obj, default_id, source)
     is_specbench, is_plain = "turns" in obj, "prompt" in obj
     if is_specbench == is_plain:
         raise MalformedLine('expected exactly one of "turns" (Spec-Bench) or "prompt" (plain)')
@@ -141,6 +174,18 @@ def parse_prompt(obj: object, default_id: str, source: str) -> Prompt:
         constraint=_constraint(obj),
         repeat_group=_opt_group(obj),
     )
+
+
+def request_prompt(obj: dict[str, Any], default_id: str, source: str) -> Prompt:
+    """An OpenAI request line (bench.requests) as a Prompt of one turn, sent as it was."""
+    try:
+        req = parse_request(obj)
+    except RequestLineError as exc:
+        raise MalformedLine(str(exc)) from None
+    return Prompt(id=req.id or default_id, category=req.category, turns=[req.text],
+                  max_tokens=req.max_tokens, temperature=req.temperature, source=source,
+                  constraint=req.constraint, request=req.body, route=req.route,
+                  arrival_s=None if req.arrival is None else req.arrival.seconds)
 
 
 def _opt_group(obj: dict[str, Any]) -> str | None:
@@ -174,46 +219,108 @@ def _constraint(obj: dict[str, Any]) -> dict[str, str] | None:
         raise MalformedLine(str(exc)) from None
 
 
-def _parse_line(raw: bytes, path: Path, lineno: int, seen: set[str]) -> Prompt:
+MAX_LINE_BYTES = 16 << 20  # a longer line is malformed (the server takes 1 MiB bodies)
+Keep = Callable[[Prompt], bool]
+
+
+def _decode(raw: bytes) -> object:
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise MalformedLine("not valid UTF-8") from None
     except json.JSONDecodeError as exc:
         raise MalformedLine(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def _lines(handle: IO[bytes]) -> Iterator[tuple[int, bytes | None, bool]]:
+    """(line number, bytes without the newline or None when over MAX_LINE_BYTES, whether it
+    ended with a newline), one line in memory at a time."""
+    lineno = 0
+    while raw := handle.readline(MAX_LINE_BYTES + 1):
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := handle.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass  # the rest of an overlong line
+            yield lineno, None, True
+            continue
+        yield lineno, raw.rstrip(b"\r\n"), raw.endswith(b"\n")
+
+
+@dataclass
+class _Reading:
+    """What reading one file gathered: the prompts kept with their arrivals, the lines skipped
+    and why, the recording's sessions and models."""
+
+    kept: list[tuple[Prompt, RecordedArrival | None]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    recording: Recording = field(default_factory=Recording)
+    seen: set[str] = field(default_factory=set)
+
+
+def _read_line(reading: _Reading, raw: bytes | None, path: Path, lineno: int,
+               keep: Keep | None) -> None:
+    """Take one line in: a header, a prompt (kept when `keep` says so), else MalformedLine."""
+    if raw is None:
+        raise MalformedLine(f"longer than {MAX_LINE_BYTES} bytes")
+    obj = _decode(raw)
+    if is_header(obj):
+        assert isinstance(obj, dict)
+        reading.recording.header(obj)
+        return
     prompt = parse_prompt(obj, f"{path.stem}-{lineno}", f"{path}:{lineno}")
-    if prompt.id in seen:
+    if prompt.id in reading.seen:
         raise MalformedLine(f"duplicate prompt id {prompt.id!r}")
-    return prompt
+    reading.seen.add(prompt.id)
+    arrival = None
+    if prompt.request is not None and isinstance(obj, dict):
+        arrival = arrival_of(obj)  # checked already, by parse_prompt
+        reading.recording.seen(arrival)
+    if keep is None or keep(prompt):
+        reading.kept.append((prompt, arrival))
 
 
-def read_prompts(path: str | Path, strict: bool = False) -> tuple[list[Prompt], list[str]]:
-    """Read every prompt of a JSONL file: (prompts, one `path:line: reason` per skipped line).
+def _read(path: Path, strict: bool, keep: Keep | None) -> _Reading:
+    reading = _Reading()
+    try:
+        with path.open("rb") as handle:
+            for lineno, raw, ended in _lines(handle):
+                if raw is not None and not raw.strip():
+                    continue
+                try:
+                    _read_line(reading, raw, path, lineno, keep)
+                except MalformedLine as exc:
+                    cut = not ended and raw is not None and str(exc).startswith("invalid JSON")
+                    message = f"{path}:{lineno}: " + (
+                        "cut short: the file ends mid-line (a recording truncated, or still "
+                        "being written)" if cut else str(exc))
+                    if strict and not cut:
+                        raise SpecDecodeError(f"malformed workload line: {message}") from None
+                    reading.skipped.append(message)
+    except OSError as exc:
+        raise SpecDecodeError(f"cannot read workload {path}: {exc.strerror or exc}") from None
+    return reading
+
+
+def read_prompts(path: str | Path, strict: bool = False, keep: Keep | None = None
+                 ) -> tuple[list[Prompt], list[str]]:
+    """Read the prompts of a JSONL file, a line at a time: (prompts, one `path:line: reason`
+    per skipped line). `keep` selects prompts as they are read (the others are not held).
+    Requests with arrival times come in arrival order, with `arrival_s` from the first.
 
     In strict mode the first malformed line raises SpecDecodeError instead.
     """
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise SpecDecodeError(f"cannot read workload {path}: {exc.strerror or exc}") from None
-    prompts: list[Prompt] = []
-    skipped: list[str] = []
-    seen: set[str] = set()
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            prompt = _parse_line(raw, path, lineno, seen)
-        except MalformedLine as exc:
-            message = f"{path}:{lineno}: {exc}"
-            if strict:
-                raise SpecDecodeError(f"malformed workload line: {message}") from None
-            skipped.append(message)
-            continue
-        seen.add(prompt.id)
-        prompts.append(prompt)
+    prompts, skipped, _, _ = _read_file(Path(path), strict, keep)
     return prompts, skipped
+
+
+def _read_file(path: Path, strict: bool, keep: Keep | None
+               ) -> tuple[list[Prompt], list[str], list[str], list[dict[str, Any]]]:
+    """read_prompts, with the notes and the recorded models of a recording."""
+    reading = _read(path, strict, keep)
+    ordered, offsets, notes = arrange(reading.kept, reading.recording)
+    prompts = [p if t is None and p.arrival_s is None else dataclasses.replace(p, arrival_s=t)
+               for p, t in zip(ordered, offsets, strict=True)]
+    return prompts, reading.skipped, notes, reading.recording.models
 
 
 def filter_prompts(
@@ -254,13 +361,15 @@ def load_workload(
     strict: bool = False,
     name: str | None = None,
 ) -> Workload:
-    """Read a workload file and apply the filters; an empty result raises SpecDecodeError."""
+    """Read a workload file, the filters applied as it is read (`selector`); an empty result
+    raises SpecDecodeError."""
     path = Path(path)
-    prompts, skipped = read_prompts(path, strict=strict)
-    if not prompts:
+    keep, known = selector(categories, limit_per_category)
+    selected, skipped, notes, models = _read_file(path, strict, keep)
+    if not known:
         reason = f" ({len(skipped)} malformed lines skipped)" if skipped else ""
         raise SpecDecodeError(f"workload {path} holds no prompts{reason}")
-    selected = filter_prompts(prompts, categories, limit_per_category)
+    filter_prompts([Prompt("", c, [""]) for c in sorted(known)], categories)  # names unknown
     if not selected:
         raise SpecDecodeError(f"no prompts of workload {path} were selected")
     return Workload(
@@ -270,7 +379,31 @@ def load_workload(
         skipped=skipped,
         categories=list(categories) if categories is not None else None,
         limit_per_category=limit_per_category,
+        notes=notes,
+        recorded_with=models,
     )
+
+
+def selector(categories: Sequence[str] | None, limit_per_category: int | None
+             ) -> tuple[Keep, set[str]]:
+    """A `keep` that takes the given categories (all when None) and the first N prompts of
+    each, as `filter_prompts` does, while reading; and the set of every category it saw."""
+    if limit_per_category is not None and limit_per_category < 1:
+        raise SpecDecodeError(f"limit per category must be >= 1, got {limit_per_category}")
+    known: set[str] = set()
+    counts: dict[str, int] = {}
+
+    def keep(prompt: Prompt) -> bool:
+        known.add(prompt.category)
+        n = counts.get(prompt.category, 0)
+        if categories is not None and prompt.category not in categories:
+            return False
+        if limit_per_category is not None and n >= limit_per_category:
+            return False
+        counts[prompt.category] = n + 1
+        return True
+
+    return keep, known
 
 
 # built-in workloads shipped with the package: the name `--workload` takes -> the data file
@@ -325,6 +458,8 @@ def workload_fingerprint(prompts: Sequence[Prompt]) -> str:
             item.append([p.constraint["kind"], p.constraint["text"]])
         if p.repeat_group is not None:  # (the same: old runs' fingerprints are unchanged)
             item.append({"repeat_group": p.repeat_group})
+        if p.request is not None:  # a replayed request: what is sent, and when
+            item.append({"request": p.request, "route": p.route, "arrival_s": p.arrival_s})
         digest.update(json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n")
     return digest.hexdigest()
 
@@ -345,6 +480,9 @@ def describe_workload(workload: Workload) -> dict[str, Any]:
         "limit_per_category": workload.limit_per_category,
         "n_skipped_lines": len(workload.skipped),
         "n_repeat_groups": len({p.repeat_group for p in workload.prompts if p.repeat_group}),
+        "n_requests": sum(p.request is not None for p in workload.prompts),
+        "notes": list(workload.notes),
+        "recorded_with": list(workload.recorded_with),
         "prompts": [p.to_dict() for p in workload.prompts],
     }
 

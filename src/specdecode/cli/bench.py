@@ -94,6 +94,21 @@ def register(sub: Any) -> None:
                    help="generations per side of the sampled losslessness audit of each "
                         f"speculative config at temperature > 0 (default "
                         f"{DEFAULT_AUDIT_SAMPLES}; 0: none)")
+    b.add_argument("--arrivals", default="closed", metavar="closed|recorded|poisson:RATE",
+                   help="closed (default): batches of --batch-sizes requests, the next when all "
+                        "have ended; recorded: open loop at the workload's arrival times (a "
+                        "serve --record recording, or a log with timestamps); poisson:RATE: "
+                        "open loop, RATE requests/s drawn from --seed. Open loop, --batch-sizes "
+                        "is the engine's rows (a server's --max-batch) and the report shows the "
+                        "batch sizes the traffic produced, its tails and goodput")
+    b.add_argument("--speed", type=float, default=1.0,
+                   help="open loop: compress time by this factor (2: arrivals twice as fast)")
+    b.add_argument("--replay-window", type=float, default=None, metavar="SECONDS",
+                   help="open loop: seconds of arrivals replayed per window, every "
+                        "configuration in turn (default 60; inf: the whole schedule at once)")
+    b.add_argument("--slo", default=None, metavar="ttft=S,tpot=S[,latency=S]",
+                   help="report the goodput: requests meeting every bound (seconds), and "
+                        "those per second, e.g. --slo ttft=0.5,tpot=0.05")
     b.add_argument("--resume", action="store_true",
                    help="continue the run in --out (failed requests and those measured under "
                         "interference are measured again)")
@@ -133,14 +148,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def endpoint_lines(outcome: Any) -> list[str]:
     """Per endpoint and concurrency: acceptance read from /metrics (or unknown), and failures."""
-    from specdecode.bench.analysis import acceptance
-
     results = outcome.analysis.results
-    lines = ["acceptance read from the endpoints' /metrics (per batch; other clients' traffic "
-             "would pollute it):"]
+    lines = ["acceptance read from the endpoints' /metrics (per batch or replay window; other "
+             "clients' traffic would pollute it):"]
     for s in outcome.analysis.configs:
-        mine = results.samples_of(s.key)
-        a = acceptance(mine)
+        a = s.acceptance
         if a.steps == 0:
             text = "unknown (no speculation counters, or none attributable)"
         elif a.drafted == 0:

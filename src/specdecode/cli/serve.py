@@ -194,9 +194,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if factory is not None and factory.store is not None:  # say whose text drafts come from
         store = (f", store of earlier requests {factory.store.max_bytes / 2**20:g} MiB / "
                  f"{factory.store.max_requests} requests, isolation {factory.isolation}")
-    drafter = options.drafter
-    print(f"specdecode: serving {state.served.name} at http://{host}:{port}/v1 "
-          f"(drafter {drafter.name}, k {drafter.k}{store})", file=sys.stderr)
     if options.api_keys:
         labels = sorted({k.label or "(none)" for k in options.api_keys})
         print(f"specdecode: {len(options.api_keys)} API key(s), labels {', '.join(labels)}",
@@ -205,6 +202,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"specdecode: recording every request accepted to {options.record.path} "
               f"(outputs {'kept' if options.record.outputs else 'not kept'}; prompts are user "
               "data)", file=sys.stderr)
+    drafter = options.drafter
+    print(f"specdecode: serving {state.served.name} at http://{host}:{port}/v1 "
+          f"(drafter {drafter.name}, k {drafter.k}{store})", file=sys.stderr)
     server = uvicorn_server(create_app(state), args.log_level,
                             drain=lambda: drain(state, options.shutdown_timeout))
     server.run(sockets=[sock])

@@ -34,11 +34,17 @@ from specdecode.sampling import SamplingParams
 from specdecode.server import allocator, prepare, shutdown
 from specdecode.server.connections import HEADER_TIMEOUT, ConnectionLimits
 from specdecode.server.isolation import credential
-from specdecode.server.middleware import KEY_LABEL, ApiKeyMiddleware, BodyLimitMiddleware
+from specdecode.server.middleware import (
+    ARRIVAL,
+    KEY_LABEL,
+    ApiKeyMiddleware,
+    ArrivalMiddleware,
+    BodyLimitMiddleware,
+)
 from specdecode.server.openai_errors import APIError, UnexpectedErrorMiddleware, install_handlers
 from specdecode.server.prometheus import CONTENT_TYPE
 from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest
-from specdecode.server.record import Recorder
+from specdecode.server.record import REPLAY_HEADER, Recorder
 from specdecode.server.state import LONG_PROMPT_BYTES, ServerState
 from specdecode.server.streaming import EventStream, Shape, Submission, collect, stream_events
 from specdecode.version import __version__
@@ -72,6 +78,8 @@ def create_app(state: ServerState) -> FastAPI:
     if state.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=state.api_keys, observe=observe)
     app.add_middleware(UnexpectedErrorMiddleware, observe=observe)  # outermost: runs first
+    if state.recorder is not None:  # outermost: a request's arrival is when its headers came
+        app.add_middleware(ArrivalMiddleware, recorder=state.recorder)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -127,7 +135,7 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
     spec = prepare.constraint_spec(req)
     size = prepare.check_prompt_size(served, req)
     state.admit()  # before tokenizing: pending tokenization counts against the queue
-    arrival = state.recorder.arrival() if state.recorder is not None else 0.0
+    arrival = getattr(request.state, ARRIVAL, 0.0)
     label = request_label(request, req)
     try:
         if size > LONG_PROMPT_BYTES:  # one at a time, behind no short prompt (see state)
@@ -149,7 +157,7 @@ async def _generate(state: ServerState, req: CompletionRequest | ChatCompletionR
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                   int(time.time()), served.name, None if params.greedy else gen.seed)
     close = sub.close
-    if recorder is not None:
+    if recorder is not None and REPLAY_HEADER not in request.headers:
         body = await request.json()  # the body as received (parsed once already: cached)
         close = functools.partial(_close_and_record, recorder, sub, body, request.url.path,
                                   arrival, shape.rid, label)
@@ -191,11 +199,11 @@ def _prompt_and_params(served: prepare.ServedModel,
                        ) -> tuple[list[int], SamplingParams]:
     """Token ids of the prompt and the sampling parameters, max_tokens fitted to the context."""
     if isinstance(req, ChatCompletionRequest):
-        ids = prepare.chat_prompt(req, served)
+        ids = prepare.chat_prompt(req, served.prompts)
         requested = req.max_completion_tokens or req.max_tokens
         limit = prepare.max_tokens(requested, len(ids), served.window, None, "messages")
     else:
-        ids = prepare.completion_prompt(req, served)
+        ids = prepare.completion_prompt(req, served.prompts, served.vocab_size)
         limit = prepare.max_tokens(req.max_tokens, len(ids), served.window,
                                    prepare.DEFAULT_COMPLETION_TOKENS, "prompt")
     return ids, prepare.sampling_params(req, limit, served.vocab_size, served.rule)

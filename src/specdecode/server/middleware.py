@@ -1,4 +1,5 @@
-"""Two plain ASGI middlewares that run before any route: the API keys and the body limits.
+"""Plain ASGI middlewares that run before any route: the API keys, the body limits, and
+with --record the arrival stamp.
 
 The API key check runs first, so an unauthenticated client cannot make the server buffer a
 body. A server may hold several keys (`--api-key` repeated), each with an optional label
@@ -19,12 +20,16 @@ import hmac
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdecode.errors import SpecDecodeError
 from specdecode.server.openai_errors import APIError, Observer, ignore_error
 from specdecode.server.protocol import LABEL_PATTERN
+
+if TYPE_CHECKING:
+    from specdecode.server.record import Recorder
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes; every other path needs the key
 KEY_LABEL = "key_label"  # where the presented key's label goes in scope["state"]
@@ -97,6 +102,23 @@ class ApiKeyMiddleware:
             if hmac.compare_digest(token, key) and not found:
                 found, label = True, key_label
         return found, label
+
+
+ARRIVAL = "arrival"  # where ArrivalMiddleware puts a request's arrival, in scope["state"]
+
+
+class ArrivalMiddleware:
+    """Stamp each POST with its arrival in the recording's session (`Recorder.arrival`) as its
+    headers come in, before anything else runs (body, key, validation): the first request
+    stamped is the session's 0, and stamps never decrease."""
+
+    def __init__(self, app: ASGIApp, recorder: Recorder) -> None:
+        self.app, self.recorder = app, recorder
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            scope.setdefault("state", {})[ARRIVAL] = self.recorder.arrival()
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:

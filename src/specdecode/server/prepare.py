@@ -188,8 +188,11 @@ def check_prompt_size(served: ServedModel,
     return size
 
 
-def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
-    """Token ids of the one prompt of a completion request (text or ids, alone or in a list)."""
+def completion_prompt(req: CompletionRequest, prompts: PromptEncoder, vocab_size: int
+                      ) -> list[int]:
+    """Token ids of the one prompt of a completion request (text or ids, alone or in a list,
+    ids below the model's `vocab_size`); `prompts`: the served model's encoder (bench's
+    in-process replay passes its own)."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -197,25 +200,24 @@ def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
                            "prompt", "unsupported_value")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return served.prompts.completion(prompt)
+        return prompts.completion(prompt)
     ids = [int(t) for t in prompt if isinstance(t, int)]
-    if any(t >= served.vocab_size for t in ids):
+    if any(t >= vocab_size for t in ids):
         raise APIError(400, f"prompt token ids must be below the vocabulary size "
-                            f"{served.vocab_size}", "prompt", "invalid_value")
+                            f"{vocab_size}", "prompt", "invalid_value")
     return ids
 
 
-def chat_prompt(req: ChatCompletionRequest, served: ServedModel) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, prompts: PromptEncoder) -> list[int]:
     """Token ids of the messages rendered with the model's chat template (their contents
     tokenized as text: see specdecode.server.tokens)."""
-    tok = served.tokenizer
-    if tok.chat_template is None:
+    if prompts.tokenizer.chat_template is None:
         raise APIError(400, "this model has no chat template: use /v1/completions",
                        "messages", "no_chat_template")
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": _text(m.content)} for m in req.messages]
     try:
-        return served.prompts.chat(messages)
+        return prompts.chat(messages)
     except (SpecDecodeError, TemplateError, TypeError, ValueError) as exc:
         raise APIError(400, f"the chat template refused these messages: {exc}",
                        "messages", "invalid_value") from exc

@@ -18,6 +18,7 @@ replays (bench.requests reads it):
   {"id", "name", "precision", "backend", "weights", "tokenizer"}}`): a replay on another model
   or tokenizer says so.
 - Lines are written in the order requests end, not arrive: a reader sorts them by arrival.
+- Requests sent by `specdecode bench --endpoint` (header REPLAY_HEADER) are not recorded.
 
 Written off the event loop: `Recorder.record` only queues the line (bounded: a writer that falls
 behind drops lines, counted); a thread appends and flushes each one, so the file is readable
@@ -55,6 +56,9 @@ log = logging.getLogger("specdecode.server")
 
 RECORD_FORMAT = 1
 HEADER_KEY = "specdecode_recording"  # the key that marks a header line
+# The header `bench --endpoint` sends: a replay is not recorded again (replaying a recording
+# against the server recording it would otherwise feed it back into its own file)
+REPLAY_HEADER = "x-specdecode-replay"
 DEFAULT_MAX_MIB = 256.0
 DEFAULT_KEEP = 3  # rotated parts kept beside the file
 QUEUE_LINES = 10_000  # lines waiting for the writer; more are dropped (and counted)
