@@ -24,6 +24,7 @@ from specdecode.cli.args import (
     add_run_args,
     add_workload_args,
 )
+from specdecode.models.backends import bench_targets
 
 BENCH_DESCRIPTION = """\
 Measure plain and speculative decoding side by side on a workload (interleaved, same prompts),
@@ -73,9 +74,10 @@ def register(sub: Any) -> None:
                         'plain;ngram+w4a16:k=3;w4a16:k=3;ngram:k=4; on a fast one, the '
                         'default checkpoint included: plain;ngram:k=auto;ngram+auto:k=auto)')
     b.add_argument("--targets", default=None, metavar="T1,T2,...",
-                   help="measure several targets of the model in one interleaved run: native "
-                        "precisions (fp32, checkpoint, bf16, int8, w8a16, w4a16) and llama.cpp "
-                        "(the GGUF on llama.cpp); each runs every --configs item (default "
+                   help="measure several targets of the model in one interleaved run: "
+                        f"{', '.join(t.name for t in bench_targets())} (the native runner's "
+                        "precisions, and the GGUF on llama.cpp); each runs every --configs "
+                        "item (default "
                         f"{DEFAULT_TARGET_CONFIGS!r}), llama-cpp-python's Llama.generate "
                         "is measured beside them where installed; the report shows speed "
                         "against fidelity (agreement with fp32) and recommends the fastest "

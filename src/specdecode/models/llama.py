@@ -8,8 +8,8 @@ subset of blocks for layer-skipping self-speculation.
 Weights use Hugging Face names and layouts (q/k rows in rotate-half RoPE order); q/k/v and
 gate/up projections are fused into one matmul each, and RoPE rotates q and k together, to cut
 per-layer overhead. Activations, norms, softmax and the KV cache are fp32 at every precision;
-`with_precision` swaps the weight matrices for bf16, int8 or weight-only (w8a16, w4a16) kernels
-(models.precision).
+`with_precision` swaps the weight matrices, LM head and embedding for those its precision's
+record builds (models.precision, models.linears).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class Target(Protocol):
 
     @property
     def precision(self) -> str:
-        """The precision it runs at (fp32, bf16, int8, w8a16, w4a16; "gguf" for llama.cpp)."""
+        """The precision it runs at: a record's name (models.precision; "gguf" on llama.cpp)."""
         ...
 
     @property

@@ -38,6 +38,7 @@ from specdecode.drafters.heads import WEIGHTS_FILE, FeatureDrafterModel
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cards import atomic_save_tensors, weights_sha256, write_model_card
 from specdecode.models.llama import LlamaModel
+from specdecode.models.precision import REFERENCE, speculative_names
 from specdecode.train.checkpoint import (
     latest_checkpoint,
     load_optimizer_state,
@@ -390,9 +391,10 @@ def add_heads_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="size of the draft's vocabulary: the most frequent corpus tokens")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    p.add_argument("--precision", default="fp32",
-                   help="the target's precision the heads draft for (fp32, bf16, w8a16, w4a16: "
-                        "its features and its head; heads are refused on any other)")
+    p.add_argument("--precision", default=REFERENCE.name,
+                   help="the target's precision the heads draft for "
+                        f"({', '.join(speculative_names())}: its features and its head; heads "
+                        "are refused on any other)")
 
 
 def cmd_train_heads(args: argparse.Namespace) -> int:
