@@ -164,16 +164,18 @@ def test_unsupported_precision_names_the_precision_the_cpu_and_what_works(
     monkeypatch.setattr(precision, "quantized_engines", lambda: ["qnnpack"])
     cpu = re.escape(precision.cpu_name())  # machine text: "Intel(R) Xeon(R) Processor"
     for p in ("bf16", "int8", "w8a16"):
-        with pytest.raises(SpecDecodeError, match=rf"precision {p} .*{cpu}"
-                           r".*fbgemm.*precisions that work here: fp32(, checkpoint)?$"):
+        with pytest.raises(SpecDecodeError, match=rf"precision {p} .*{cpu}.*fbgemm.*precisions "
+                           r"that work here: fp32(, checkpoint, checkpoint-a8)?$"):
             apply_precision(tiny, p)
     monkeypatch.undo()
     monkeypatch.setattr(precision, "weight_only_kernels", lambda: ["_weight_int8pack_mm"])
     with pytest.raises(SpecDecodeError, match=r"precision w4a16 .*_weight_int4pack_mm_for_cpu.*"
-                       r"precisions that work here: fp32, (checkpoint, )?bf16, int8, w8a16$"):
+                       r"precisions that work here: fp32, (checkpoint, checkpoint-a8, )?bf16, "
+                       r"int8, w8a16$"):
         apply_precision(tiny, "w4a16")
     with pytest.raises(SpecDecodeError,
-                       match=r"unknown precision 'fp8' \(supported: auto, fp32, checkpoint, bf16"):
+                       match=r"unknown precision 'fp8' \(supported: auto, fp32, checkpoint, "
+                             r"checkpoint-a8, bf16"):
         apply_precision(tiny, "fp8")
 
 

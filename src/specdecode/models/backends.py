@@ -118,7 +118,14 @@ def load_on_native(request: LoadRequest) -> LoadedModel:
     precision = NATIVE.precision(request.precision)
     folder, source, name = request.folder or loading.resolve_folder(request.spec)
     cfg = config_from_hf(read_hf_config(folder), str(folder / "config.json"))
-    model = precisions.apply_precision(loading.load_native(folder, cfg), precision)
+    record = precisions.get(precisions.resolve(precision, native=True))
+    if source.suffix == ".gguf" and record.gguf_mode is not None:
+        # the GGUF's own blocks, never through fp32 (seconds, and the file's size in memory)
+        from specdecode.models.gguf_blocks import load_gguf_model
+
+        model = load_gguf_model(source, cfg, record.gguf_mode, record.name)
+    else:
+        model = precisions.apply_precision(loading.load_native(folder, cfg), precision)
     exact = loading.make_exact(model)
     gemv_copy = request.gemv_copy
     if gemv_copy is None:

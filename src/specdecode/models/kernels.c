@@ -56,6 +56,17 @@
 #define SD_VNNI 0
 #endif
 
+/* Float kinds on the AVX-512 build: 16 columns as one zmm (SD_FP512 1) or as two ymm. */
+#ifndef SD_FP512
+#define SD_FP512 1
+#endif
+#if SD_ISA == 3
+#define QROWS_MAX 12 /* a8: rows sharing one pass over a panel */
+#define QNP_MAX 8
+#else
+#define QROWS_MAX 6
+#define QNP_MAX 4
+#endif
 #define SD_ABI 2           /* bumped whenever a struct or a signature below changes */
 #define PANEL 16           /* output columns per packed panel */
 #define CHUNK 64           /* rows whose inputs stay in cache while every panel passes over them */
@@ -68,7 +79,7 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND
 #define GROUPED(kind) ((kind) == KIND_I4 || (kind) == KIND_I8G)
 #define QUANT(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q8)
 
-#if SD_ISA == 3
+#if SD_ISA == 3 && SD_FP512
 #define ROWS 12    /* rows sharing one pass over a panel (a register block) */
 #define NPMAX 8    /* panels one row keeps in flight */
 #elif SD_ISA == 2
@@ -139,7 +150,7 @@ static inline float round_bf16(float f) { /* round to nearest even, as torch's .
 
 /* ---- 16 output columns as one value: the only place the instruction sets differ ---------- */
 
-#if SD_ISA == 3
+#if SD_ISA == 3 && SD_FP512
 typedef __m512 v16;
 SD_INLINE v16 v_zero(void) { return _mm512_setzero_ps(); }
 SD_INLINE v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
@@ -159,7 +170,7 @@ SD_INLINE v16 v_u4(const uint8_t *q) { /* 8 bytes: lanes 0-7 the low nibbles, 8-
     __m128i both = _mm_unpacklo_epi64(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
 }
-#elif SD_ISA == 2
+#elif SD_ISA >= 2
 typedef struct { __m256 a, b; } v16;
 SD_INLINE v16 v_zero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
 SD_INLINE v16 v_load(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
@@ -339,11 +350,16 @@ SD_INLINE void panel_buffered(const float *x, int64_t ldx, const float *xs, int6
         for (int64_t r = 0; r < M; r++) v_store(out[r], finish(m, kind, p, v_load(acc + r * PANEL)));
 }
 
+#define OUT_NP (NPMAX > QNP_MAX ? NPMAX : QNP_MAX)
+
+/* a8 panels per call for M rows: one row keeps several panels' sums in flight. */
+static int qpanels_per_call(int64_t M) { return M == 1 ? QNP_MAX : M <= 4 ? 2 : 1; }
+
 /* Panels per call for M rows (how many one register block holds). */
 static int panels_per_call(int64_t M) {
-#if SD_ISA == 3
+#if SD_ISA == 3 && SD_FP512
     return M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
-#elif SD_ISA == 2
+#elif SD_ISA >= 2
     return M == 1 ? 4 : M == 2 ? 2 : 1;
 #else
     (void)M;
@@ -357,7 +373,7 @@ static int panels_per_call(int64_t M) {
 SD_INLINE void chunk_of_kind(const float *x, int64_t ldx, const float *xs, int64_t ldxs,
                              const sd_mat *m, int kind, int64_t p, int np, int64_t M,
                              float out[][CHUNK][PANEL]) {
-#if SD_ISA == 3
+#if SD_ISA == 3 && SD_FP512
     if (M == 1) {
         switch (np) {
         case 8: DIRECT(8, 1); return;
@@ -394,7 +410,7 @@ SD_INLINE void chunk_of_kind(const float *x, int64_t ldx, const float *xs, int64
     case 12: DIRECT(1, 12); return;
     default: panel_buffered(x, ldx, xs, ldxs, m, kind, p, M, out[0]); return;
     }
-#elif SD_ISA == 2
+#elif SD_ISA >= 2
     if (M == 1) {
         switch (np) {
         case 4: DIRECT(4, 1); return;
@@ -504,6 +520,9 @@ static void quantize_rows(const float *x, int64_t M, const sd_mat *m, const sd_q
 /* The exact int32 sums of one group of one row against 16 columns: sum over the group's inputs
  * of (code - offset) * q. Every build computes the same integers. */
 #if SD_ISA == 3
+typedef __m512 yv16;
+SD_INLINE yv16 y_zero(void) { return _mm512_setzero_ps(); }
+SD_INLINE void y_store(float *p, yv16 v) { _mm512_storeu_ps(p, v); }
 typedef __m512i i16v;
 SD_INLINE i16v i_zero(void) { return _mm512_setzero_si512(); }
 /* a quad of inputs (4 codes per column, 64 bytes) against one row's 4 int8 codes */
@@ -527,14 +546,17 @@ SD_INLINE i16v i_dot4(i16v acc, __m512i w, int32_t x4, int signed_w) {
 SD_INLINE __m512i q_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 SD_INLINE __m512i q_lo(__m512i b) { return _mm512_and_si512(b, _mm512_set1_epi8(0xf)); }
 SD_INLINE __m512i q_hi(__m512i b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0xf)); }
-SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
-                     float xs, v16 y) {
+SD_INLINE yv16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
+                     float xs, yv16 y) {
     __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(corr)));
     y = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(dx)), _mm512_loadu_ps(scale), y);
     if (zero) y = _mm512_fmadd_ps(_mm512_set1_ps(xs), _mm512_loadu_ps(zero), y);
     return y;
 }
 #elif SD_ISA == 2
+typedef v16 yv16;
+SD_INLINE yv16 y_zero(void) { return v_zero(); }
+SD_INLINE void y_store(float *p, yv16 v) { v_store(p, v); }
 typedef struct { __m256i a, b; } i16v;
 SD_INLINE i16v i_zero(void) { i16v r = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return r; }
 SD_INLINE __m256i dot4_half(__m256i acc, __m256i w, __m256i xv, int signed_w) {
@@ -583,6 +605,9 @@ SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const
     return y;
 }
 #else
+typedef v16 yv16;
+SD_INLINE yv16 y_zero(void) { return v_zero(); }
+SD_INLINE void y_store(float *p, yv16 v) { v_store(p, v); }
 typedef struct { int32_t v[PANEL]; } i16v;
 typedef struct { uint8_t b[64]; } q64;
 SD_INLINE i16v i_zero(void) { i16v r; memset(&r, 0, sizeof r); return r; }
@@ -631,16 +656,16 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
 #else
     const int signed_w = kind == KIND_Q8 && m->offset == 128;
 #endif
-    v16 y[ROWS][NPMAX];
+    yv16 y[QROWS_MAX][QNP_MAX];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < NP; j++) y[r][j] = v_zero();
+        for (int j = 0; j < NP; j++) y[r][j] = y_zero();
     const uint8_t *w = (const uint8_t *)m->w;
 #ifdef SD_BROKEN_WIDTH
     for (int64_t g = R > 1 ? NG - 1 : 0; R > 1 ? g >= 0 : g < NG; g += R > 1 ? -1 : 1) {
 #else
     for (int64_t g = 0; g < NG; g++) {
 #endif
-        i16v acc[ROWS][NPMAX];
+        i16v acc[QROWS_MAX][QNP_MAX];
         for (int r = 0; r < R; r++)
             for (int j = 0; j < NP; j++) acc[r][j] = i_zero();
         if (kind == KIND_Q8) {
@@ -682,7 +707,7 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
         }
     }
     for (int j = 0; j < NP; j++)
-        for (int r = 0; r < R; r++) v_store(out[j][r0 - (r0 / CHUNK) * CHUNK + r], y[r][j]);
+        for (int r = 0; r < R; r++) y_store(out[j][r0 - (r0 / CHUNK) * CHUNK + r], y[r][j]);
 }
 
 #define QROWS(NP, R) qpanel_rows(qr, r0, m, kind, p, NP, R, out)
@@ -693,7 +718,7 @@ SD_INLINE void qchunk_of_kind(const sd_qrows *qr, int64_t m0, const sd_mat *m, i
     if (M == 1 && np > 1) {
         int64_t r0 = m0;
         switch (np) {
-#if NPMAX > 4
+#if QNP_MAX > 4
         case 8: QROWS(8, 1); return;
         case 7: QROWS(7, 1); return;
         case 6: QROWS(6, 1); return;
@@ -705,13 +730,13 @@ SD_INLINE void qchunk_of_kind(const sd_qrows *qr, int64_t m0, const sd_mat *m, i
         }
     }
     for (int64_t j = 0; j < np; j++)
-        for (int64_t r0 = m0; r0 < m0 + M; r0 += ROWS) {
-            int R = m0 + M - r0 >= ROWS ? ROWS : (int)(m0 + M - r0);
+        for (int64_t r0 = m0; r0 < m0 + M; r0 += QROWS_MAX) {
+            int R = m0 + M - r0 >= QROWS_MAX ? QROWS_MAX : (int)(m0 + M - r0);
             int64_t pj = p + j;
             float (*oj)[CHUNK][PANEL] = out + j;
 #define QROW1(RR) qpanel_rows(qr, r0, m, kind, pj, 1, RR, oj)
             switch (R) {
-#if ROWS > 6
+#if QROWS_MAX > 6
             case 12: QROW1(12); break;
             case 11: QROW1(11); break;
             case 10: QROW1(10); break;
@@ -779,12 +804,12 @@ static void matmul_in_region(const float *x, int64_t M, const sd_mat *m, float *
         xin = sc->xr;
         xs = sc->xs;
     }
-    int NP = panels_per_call(M);
+    int NP = quant ? qpanels_per_call(M) : panels_per_call(M);
     for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
         int64_t mc = M - m0 < CHUNK ? M - m0 : CHUNK;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < (P + NP - 1) / NP; g++) {
-            float out[NPMAX][CHUNK][PANEL];
+            float out[OUT_NP][CHUNK][PANEL];
             int64_t p0 = g * NP;
             int np = P - p0 < NP ? (int)(P - p0) : NP;
             if (quant) qpanel_chunk(&qr, m0, m, p0, np, mc, out);

@@ -396,7 +396,11 @@ class PanelLinear(nn.Module):
         values = self.panels.w[p, :, c].float()  # (n, in)
         if self.panels.kind == kernels.KIND_I8G:
             assert self.panels.scale is not None
-            values = values * self.panels.scale[p, :, c].repeat_interleave(GROUP, dim=1)
+            values = values * self.panels.scale[p, :, c].repeat_interleave(self.panels.group,
+                                                                           dim=1)
+            if self.panels.zero is not None:
+                values = values + self.panels.zero[p, :, c].repeat_interleave(self.panels.group,
+                                                                              dim=1)
         elif self.panels.kind != kernels.KIND_F32:
             raise ValueError("rows() reads fp32 or grouped int8 panels")
         return values.view(*tokens.shape, self.in_features)
@@ -439,6 +443,31 @@ def checkpoint_matrix(weight: torch.Tensor, bias: torch.Tensor | None, exact: bo
         if torch.equal(codes.float() * scales.repeat_interleave(GROUP, dim=1), w):
             return PanelLinear(kernels.pack_int8_groups(codes, scales, bias))
     return PanelLinear(kernels.pack_float(w, torch.float32, bias))
+
+
+def a8_matrix(weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = True
+              ) -> PanelLinear:
+    """A matrix of the "checkpoint-a8" precision from its fp32 values: the blocks it was
+    de-quantized from (GGUF Q4_1: 4-bit codes with d and m; Q8_0: bytes with d), for integer
+    dot products against int8 activations; else fp32 panels (fp32 arithmetic). A GGUF target
+    is built from its own blocks instead (models.gguf_blocks), which covers every block type."""
+    w = weight.detach().float()
+    blocks = recover_q4_1(w) if w.shape[1] % kernels.QBLOCK == 0 else None
+    if blocks is not None:
+        codes, d, m = blocks
+        return PanelLinear(kernels.pack_q4(codes, d, m, bias))
+    if w.shape[1] % kernels.QBLOCK == 0:
+        codes, scales = quantize_row_groups(w)
+        if torch.equal(codes.float() * scales.repeat_interleave(GROUP, dim=1), w):
+            return PanelLinear(kernels.pack_q8(codes.to(torch.int16) + 128, scales, None, bias,
+                                               offset=128))
+    return PanelLinear(kernels.pack_float(w, torch.float32, bias))
+
+
+def a8_ends(head: torch.Tensor, embed: torch.Tensor, tied: bool, exact: bool
+            ) -> tuple[nn.Module, nn.Module]:
+    """The head as an a8 matrix; the embedding rows looked up in fp32 (the same values)."""
+    return a8_matrix(head, None), nn.Embedding.from_pretrained(embed)
 
 
 class TiedEmbedding(nn.Module):

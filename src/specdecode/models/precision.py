@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 # _linears() when a model is built.
 
 # The front ends' default: resolved per backend (models.backends): "checkpoint" on the native
-# runner where the row-invariant kernels build (the checkpoint's own weights, bit for bit, at the
-# speed of its quantization: on SmolLM2's Q4_1 GGUF top-1 agreement with fp32 1.0 at a w4a16
-# step's cost and a tenth of the memory), else fp32; the llama.cpp backend's own ("gguf").
+# runner where the row-invariant kernels build (the checkpoint's own weights, bit for bit, with
+# an arithmetic of its own, at the speed of its quantization: on SmolLM2's Q4_1 GGUF top-1
+# agreement with fp32 1.0 and mean KL 3e-11 measured, at a w4a16 step's cost and a fifth of
+# fp32's weight bytes), else fp32; the llama.cpp backend's own ("gguf").
 AUTO = "auto"
 
 # How far a precision's logits are from the reference's (the bench measures it: top-1, KL):
@@ -212,6 +213,9 @@ I4_GROUP = WeightKind("i4-group32", 0.625, "4 bits per group of 32 inputs with a
 Q4_1 = WeightKind("q4_1", 0.75, "GGUF Q4_1 blocks recovered bit for bit: 4 bits per group of "
                   "32 inputs with its fp16 d and m (held fp32)")
 GGUF = WeightKind("gguf", 0.0, "the GGUF file's own tensors, as stored (bytes: the file's)")
+GGUF_BLOCKS = WeightKind("gguf-blocks", 0.7, "a GGUF's own blocks read bit for bit (Q4_0, Q4_1, "
+                         "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): codes with their fp32 scales "
+                         "and minimums per group of 16 or 32 inputs (models.gguf_blocks)")
 
 
 @dataclass(frozen=True)
@@ -270,6 +274,7 @@ class Precision:
     rows_independent: bool = True
     reference_weights: bool = False
     gemv_copy: bool = False
+    gguf_mode: str | None = None  # built straight from a GGUF's blocks, in this arithmetic
 
     @property
     def row_invariant(self) -> bool:
@@ -302,11 +307,22 @@ PRECISIONS: tuple[Precision, ...] = (
         _INVARIANT_KERNELS, "reference", NATIVE, gemv_copy=True),
     Precision(
         "checkpoint", "every matrix in the smallest panels holding the checkpoint's weights bit "
-                      "for bit (GGUF Q4_1 blocks, Q8_0 groups, else fp32), inputs not rounded",
-        (Q4_1, I8_GROUP, F32), (ROW_INVARIANT,), _INVARIANT_KERNELS, "checkpoint", NATIVE,
-        lambda w, b, exact: _linears().checkpoint_matrix(w, b, exact),
+                      "for bit (a GGUF's own blocks, else fp32), inputs not rounded",
+        (GGUF_BLOCKS, Q4_1, I8_GROUP, F32), (ROW_INVARIANT,), _INVARIANT_KERNELS, "checkpoint",
+        NATIVE, lambda w, b, exact: _linears().checkpoint_matrix(w, b, exact),
         lambda *ends: _linears().checkpoint_ends(*ends), (ROW_INVARIANT_KERNELS,),
-        reference_weights=True),
+        reference_weights=True, gguf_mode="fp"),
+    Precision(
+        "checkpoint-a8", "the checkpoint's weights bit for bit as in checkpoint; each row's "
+                         "activations rounded to int8 per block of 32 inputs before exact "
+                         "integer dot products (VNNI where the CPU has it): llama.cpp's CPU "
+                         "arithmetic, and the cheapest width",
+        (GGUF_BLOCKS, Q4_1, I8_GROUP, F32), (ROW_INVARIANT,),
+        _INVARIANT_KERNELS + "; a row's activations are rounded with scales of its own, and "
+        "integer sums are exact in any order", "quantized", NATIVE,
+        lambda w, b, exact: _linears().a8_matrix(w, b, exact),
+        lambda *ends: _linears().a8_ends(*ends), (ROW_INVARIANT_KERNELS,),
+        faster_with=("avx512_vnni",), reference_weights=True, gguf_mode="a8"),
     Precision(
         "bf16", "weights rounded to bf16, fp32 activations and accumulation", (BF16,),
         (ROW_INVARIANT, TORCH_FP16), _INVARIANT_KERNELS, "rounded", NATIVE,
@@ -419,7 +435,8 @@ NATIVE_DEFAULT = "checkpoint"  # "auto" on the native runner where the row-invar
 
 def native_default() -> str:
     """What "auto" means on the native runner: checkpoint where the row-invariant kernels build
-    (fp32's logits at a tenth of its memory and a fraction of its step), else the reference."""
+    (fp32's weights bit for bit, its own arithmetic: agreement with fp32 measured, not assumed;
+    a fifth of fp32's weight bytes, a fraction of its step), else the reference."""
     return NATIVE_DEFAULT if _kernels().available() else REFERENCE.name
 
 
