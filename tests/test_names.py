@@ -141,3 +141,25 @@ def test_each_kind_of_name_use_is_found(tmp_path: Path) -> None:
         "bench/plan.py:5: precision: args.precision != AUTO",
         "bench/plan.py:8: backend name 'native' outside models/",
         "models/llama.py:2: precision: precision == 'checkpoint'"]
+
+
+def controller_builders(package: Path) -> list[str]:
+    """Every module outside control.py that constructs a control.Controller itself."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            func = node.func if isinstance(node, ast.Call) else None
+            name = getattr(func, "id", None) or getattr(func, "attr", None)
+            if name == "Controller" and rel != "control.py":
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_one_place_builds_the_controller(tmp_path: Path) -> None:
+    """control.auto_controller is the one way a front end gets a controller (the API, serve and
+    bench built theirs by hand); a front end building its own is found."""
+    assert controller_builders(PACKAGE) == []
+    (tmp_path / "api.py").write_text("def f(c):\n    return c.Controller(kmax=3)\n")
+    (tmp_path / "control.py").write_text("def g():\n    return Controller(kmax=3)\n")
+    assert controller_builders(tmp_path) == ["api.py:2"]

@@ -340,11 +340,10 @@ def auto_steps(loaded: Any, gen: Any, max_step_cost: float | None = None) -> Ite
     model, starting from its measured costs (measured on the first run, then read from the
     cache: calibration_cache)."""
     from specdecode.calibration_cache import cached_costs
-    from specdecode.control import Controller, CostModel
+    from specdecode.control import auto_controller
     from specdecode.engine import BatchEngine
 
-    controller = Controller(kmax=gen.k, costs=CostModel(target_s=cached_costs(loaded, [1], gen.k)),
-                            max_step_cost=max_step_cost)
+    controller = auto_controller(gen.k, cached_costs(loaded, [1], gen.k), max_step_cost)
     engine = BatchEngine(loaded.model, 1, gen.capacity, controller=controller)
     engine.submit(gen)
 

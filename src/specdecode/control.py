@@ -42,7 +42,7 @@ and it holds speculation off (with back-off, then a fresh trial) where they do n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specdecode.acceptance import PAY_MARGIN, expected_accepted, expected_tokens
@@ -446,6 +446,16 @@ class Controller:
             if rate > best_rate:
                 best_rate, best = rate, ks
         return best if best_rate > plain_rate * (1 + PAY_MARGIN) else [0] * batch
+
+
+def auto_controller(kmax: int, costs: CostModel | Mapping[tuple[int, int], float],
+                    max_step_cost: float | None) -> Controller:
+    """The controller under --k auto, the one way every front end builds it (generate and the
+    API, serve, bench): drafting at most `kmax` tokens a step, starting from t(B, T) measured
+    before the first token (`costs`: a CostModel, or calibration's table of t(B, T)), no step
+    costlier than `max_step_cost` plain steps of its batch (None: no cap)."""
+    model = costs if isinstance(costs, CostModel) else CostModel(target_s=dict(costs))
+    return Controller(kmax=kmax, costs=model, max_step_cost=max_step_cost)
 
 
 def _best_k(alpha: float, width_k: int, token_cost: float) -> int:

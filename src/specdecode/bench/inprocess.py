@@ -68,7 +68,7 @@ from specdecode.bench.records import (
 )
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt
-from specdecode.control import Controller, CostModel
+from specdecode.control import Controller, auto_controller
 from specdecode.counters import Counters
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.options import model_part
@@ -607,10 +607,9 @@ class InProcessRunner:
         from specdecode.calibration_cache import cached_costs
 
         if config.key not in self._controllers:
-            costs = CostModel(target_s=cached_costs(self.loaded, sorted({1, config.batch_size}),
-                                                    k))
-            self._controllers[config.key] = Controller(
-                kmax=k, costs=costs, max_step_cost=drafter_options(config).max_step_cost)
+            costs = cached_costs(self.loaded, sorted({1, config.batch_size}), k)
+            self._controllers[config.key] = auto_controller(
+                k, costs, drafter_options(config).max_step_cost)
         return self._controllers[config.key]
 
     def _peer_target(self, config: ConfigSpec) -> LlamaCppModel:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.calibration import calibrated_costs
-from specdecode.control import Controller, CostModel
+from specdecode.control import CostModel, auto_controller
 from specdecode.drafters.base import DrafterFactory
 from specdecode.drafters.options import DrafterOptions
 from specdecode.drafters.registry import drafter_factory
@@ -178,10 +178,9 @@ def build_state(loaded: LoadedModel, options: ServeOptions,
                               f"request with k={k}")
     controller = None
     if factory is not None and options.drafter.auto:
-        costs = costs or CostModel(target_s=calibrated_costs(
-            model, _calibration_batches(options.max_batch), k))
-        controller = Controller(kmax=k, costs=costs,
-                                max_step_cost=options.drafter.max_step_cost)
+        controller = auto_controller(
+            k, costs or calibrated_costs(model, _calibration_batches(options.max_batch), k),
+            options.drafter.max_step_cost)
     engine = BatchEngine(model, options.max_batch, options.max_seq_len, controller=controller)
     name = options.served_model_name or loaded.name
     prompts = PromptEncoder(tok, options.allow_special_tokens_in_content)
