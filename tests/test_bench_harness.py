@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.bench.harness import BenchOptions, config_grid, make_header, run_bench, schedule
+from specdecode.bench.harness import RunOptions, config_grid, make_header, run_bench, schedule
 from specdecode.bench.records import AuditVerdict, ConfigSpec, RequestSample
 from specdecode.bench.runner import RunnerDescription
 from specdecode.bench.workloads import Prompt
@@ -18,8 +18,8 @@ from specdecode.errors import SpecDecodeError
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 
-def options(tmp_path: Path, **kw: object) -> BenchOptions:
-    return BenchOptions(tmp_path / "out", progress=False, n_resamples=200, **kw)  # type: ignore[arg-type]
+def options(tmp_path: Path, **kw: object) -> RunOptions:
+    return RunOptions(tmp_path / "out", progress=False, n_resamples=200, **kw)  # type: ignore[arg-type]
 
 
 def test_warm_up_then_configs_interleaved_and_rotated(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from specdecode.bench.harness import BenchOptions, run_bench
+from specdecode.bench.harness import RunOptions, run_bench
 from specdecode.bench.inprocess import (
     InProcessRunner,
     RequestTrace,
@@ -69,8 +69,8 @@ def workload_of(prompts: Sequence[Prompt]) -> Workload:
     return Workload("tiny", "memory", list(prompts))
 
 
-def options(path: Path, **kw: Any) -> BenchOptions:
-    return BenchOptions(path, progress=False, n_resamples=200, **kw)
+def options(path: Path, **kw: Any) -> RunOptions:
+    return RunOptions(path, progress=False, n_resamples=200, **kw)
 
 
 # ------------------------------------------------------------------------- timing attribution

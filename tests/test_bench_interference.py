@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from specdecode.bench import interference
-from specdecode.bench.harness import BenchOptions, run_bench
+from specdecode.bench.harness import RunOptions, run_bench
 from specdecode.bench.interference import (
     CpuTimes,
     LoadReading,
@@ -108,7 +108,7 @@ class MachineRunner(FakeRunner):
 def bench(tmp_path: Path, runner: MachineRunner, resume: bool = False,
           prompts: int = 4) -> tuple[str, dict[str, Any], str]:
     out = io.StringIO()
-    options = BenchOptions(tmp_path / "out", resume=resume, progress=False, n_resamples=200,
+    options = RunOptions(tmp_path / "out", resume=resume, progress=False, n_resamples=200,
                            load_probe=runner.machine.probe)
     outcome = run_bench(runner, workload_of(make_prompts(prompts, multi_turn_every=99)),
                         [plain(), ngram()], options, out=out)
@@ -259,7 +259,7 @@ def test_a_bench_run_beside_a_real_cpu_burner_is_flagged(tmp_path: Path) -> None
     out = io.StringIO()
     with burner(cores + 1):  # more spinners than cores: they hold most of every core
         outcome = run_bench(Spinning(), workload_of(make_prompts(2, multi_turn_every=99)),
-                            [plain(), ngram()], BenchOptions(tmp_path / "out", progress=False,
+                            [plain(), ngram()], RunOptions(tmp_path / "out", progress=False,
                                                              n_resamples=100), out=out)
     load = assess(outcome.analysis.results.header, outcome.analysis.results.samples)
     assert {c.config for c in load.flagged} == {"plain", "ngram-k4"}

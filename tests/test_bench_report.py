@@ -13,7 +13,7 @@ import pytest
 from markupsafe import Markup
 
 from specdecode.bench.analysis import analyze, arrival_slices, warmup_summary
-from specdecode.bench.harness import BenchOptions, make_header, run_bench
+from specdecode.bench.harness import RunOptions, make_header, run_bench
 from specdecode.bench.recommend import recommend
 from specdecode.bench.records import AuditVerdict, ConfigSpec, CostCurve, RequestSample
 from specdecode.bench.report_html import (
@@ -334,7 +334,7 @@ def test_no_cold_to_warm_section_without_repeat_groups() -> None:
 def test_a_repetitive_run_records_arrivals_and_reports_cold_to_warm(tmp_path: Path) -> None:
     workload = load_repetitive_workload(categories=["rag", "coding"])  # 5 documents, 15 prompts
     outcome = run_bench(FakeRunner(), workload, [plain(), ngram()],
-                        BenchOptions(tmp_path, progress=False, n_resamples=50), out=io.StringIO())
+                        RunOptions(tmp_path, progress=False, n_resamples=50), out=io.StringIO())
     samples = outcome.analysis.results.samples
     order = {p.id: i for i, p in enumerate(workload.prompts)}
     assert all(s.arrival == order[s.prompt_id] for s in samples)

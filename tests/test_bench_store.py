@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.bench.harness import BenchOptions, make_header, run_bench, schedule
+from specdecode.bench.harness import RunOptions, make_header, run_bench, schedule
 from specdecode.bench.records import (
     SCHEMA_VERSION,
     AuditVerdict,
@@ -147,7 +147,7 @@ def test_unwritable_output_folder_is_refused_up_front(tmp_path: Path) -> None:
     runner = FakeRunner()
     with pytest.raises(SpecDecodeError, match="not writable"):
         run_bench(runner, workload_of(make_prompts(2)), CONFIGS,
-                  BenchOptions(blocker / "out", progress=False), out=io.StringIO())
+                  RunOptions(blocker / "out", progress=False), out=io.StringIO())
     assert runner.calls == []  # nothing was measured
 
 
@@ -179,12 +179,12 @@ def test_interrupted_run_then_resume_measures_each_unit_once(tmp_path: Path) -> 
     first = FakeRunner(interrupt_after=4 + 5)  # 4 warm-up calls, then 5 measured batches
     with pytest.raises(KeyboardInterrupt):
         run_bench(first, workload_of(prompts), configs,
-                  BenchOptions(tmp_path, progress=False, n_resamples=200), out=devnull)
+                  RunOptions(tmp_path, progress=False, n_resamples=200), out=devnull)
     saved = read_results(tmp_path / RESULTS_FILE).samples
     assert 0 < len(saved) < len(prompts) * 4
     second = FakeRunner()
     outcome = run_bench(second, workload_of(prompts), configs,
-                        BenchOptions(tmp_path, resume=True, progress=False, n_resamples=200),
+                        RunOptions(tmp_path, resume=True, progress=False, n_resamples=200),
                         out=devnull)
     units = [s.unit for s in read_results(tmp_path / RESULTS_FILE).samples]
     n_units = sum(len(p.turns) for p in prompts) * len(configs)
@@ -205,7 +205,7 @@ def test_resume_refuses_changed_configurations(tmp_path: Path) -> None:
 def test_resume_writes_only_the_missing_units_of_a_partly_written_batch(tmp_path: Path) -> None:
     prompts = make_prompts(4, multi_turn_every=99)
     configs = [plain(2), ngram(2)]
-    opts = BenchOptions(tmp_path, progress=False, n_resamples=100)
+    opts = RunOptions(tmp_path, progress=False, n_resamples=100)
     run_bench(FakeRunner(), workload_of(prompts), configs, opts, out=io.StringIO())
     path = tmp_path / RESULTS_FILE
     lines = path.read_bytes().splitlines(keepends=True)
@@ -224,7 +224,7 @@ def test_resume_writes_only_the_missing_units_of_a_partly_written_batch(tmp_path
 
 def test_samples_stored_before_arrivals_existed_still_read(tmp_path: Path) -> None:
     run_bench(FakeRunner(), workload_of(make_prompts(3)), CONFIGS,
-              BenchOptions(tmp_path, progress=False, n_resamples=50), out=io.StringIO())
+              RunOptions(tmp_path, progress=False, n_resamples=50), out=io.StringIO())
     path = tmp_path / RESULTS_FILE
     lines = []
     for raw in path.read_text(encoding="utf-8").splitlines():
@@ -244,7 +244,7 @@ def test_an_interrupted_repetitive_run_resumes_with_its_order(tmp_path: Path) ->
     from specdecode.bench.workloads import load_repetitive_workload
 
     workload = load_repetitive_workload(categories=["rag"])
-    opts = BenchOptions(tmp_path, progress=False, n_resamples=50)
+    opts = RunOptions(tmp_path, progress=False, n_resamples=50)
     with pytest.raises(KeyboardInterrupt):
         run_bench(FakeRunner(interrupt_after=2 + 7), workload, CONFIGS, opts, out=io.StringIO())
     with pytest.raises(SpecDecodeError, match="workload fingerprint"):  # another seed's order

@@ -4,7 +4,6 @@ fake runner of several targets; the browser test renders a real run's report).""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import math
@@ -18,7 +17,8 @@ from specdecode.agreement import teacher_forced_logits
 from specdecode.bench import analysis as analysis_mod
 from specdecode.bench import frontier
 from specdecode.bench.analysis import Analysis, ConfigSummary, analyze
-from specdecode.bench.harness import BenchOptions, make_header, run_bench, validate_configs
+from specdecode.bench.harness import RunOptions, make_header, run_bench, validate_configs
+from specdecode.bench.options import BenchOptions
 from specdecode.bench.plan import parse_configs
 from specdecode.bench.recommend import recommend
 from specdecode.bench.records import ConfigSpec, CostCurve
@@ -109,31 +109,31 @@ def test_every_config_runs_on_every_target_and_the_peer_at_batch_1_only() -> Non
     validate_configs(configs)  # each speculative one has its own target's plain
 
 
-def namespace(**kw: Any) -> argparse.Namespace:
-    base = {"targets": "fp32,bf16", "configs": None, "precision": "auto", "backend": "auto",
-            "fidelity": None, "model": "/nowhere/model-folder", "endpoint": None}
-    return argparse.Namespace(**{**base, **kw})
+def options(**kw: Any) -> BenchOptions:
+    return BenchOptions(**{"targets": "fp32,bf16", "model": "/nowhere/model-folder", **kw})
 
 
-def planned(args: argparse.Namespace) -> tuple[Any, ...]:
-    return plan_targets(args, [1], parse_configs(args.configs or DEFAULT_TARGET_CONFIGS,
-                                                 "fp32"))
+def planned(given: BenchOptions) -> tuple[Any, ...]:
+    given.check()
+    return plan_targets(given, [1], parse_configs(given.configs or DEFAULT_TARGET_CONFIGS,
+                                                  "fp32"))
 
 
 def test_plan_accepts_the_parsers_own_defaults() -> None:
     """`bench --targets` as a user types it: the parser's defaults (--precision auto) are not
     mistaken for a --precision given (a check against the old default fp32 refused every run)."""
     from specdecode.cli import build_parser
+    from specdecode.cli.bench import options_of
 
     args = build_parser().parse_args(["bench", "--targets", "fp32,checkpoint",
                                       "--model", "/nowhere/model-folder"])
-    configs, _, _ = planned(args)
+    configs, _, _ = planned(options_of(args))
     assert [c.target for c in configs][:4] == ["fp32", "fp32", "fp32", "checkpoint"]
     assert {c.precision for c in configs} == {"fp32", "checkpoint"}
 
 
 def test_plan_refuses_what_cannot_be_a_targets_run() -> None:
-    configs, _, no_reference = planned(namespace())
+    configs, _, no_reference = planned(options())
     assert [c.name for c in configs] == ["fp32/plain", "fp32/ngram-kauto",
                                          "fp32/ngram+w4a16-kauto", "bf16/plain",
                                          "bf16/ngram-kauto", "bf16/ngram+w4a16-kauto"]
@@ -141,14 +141,14 @@ def test_plan_refuses_what_cannot_be_a_targets_run() -> None:
     for bad, message in (({"precision": "bf16"}, "leave --precision and --backend out"),
                          ({"precision": "fp32"}, "leave --precision and --backend out"),
                          ({"backend": "llama.cpp"}, "leave --precision and --backend out"),
-                         ({"endpoint": ["http://x"]}, "use one or the other"),
+                         ({"endpoints": ("http://x",)}, "use one or the other"),
                          ({"fidelity": "kl=-1"}, "--fidelity must be"),
                          ({"configs": "plain;llamacpp-generate"}, "leave llamacpp-generate"),
                          ({"targets": "w4a16", "configs": "plain;w4a16:k=3"},
                           "runs on none of the targets w4a16"),
                          ({"targets": "tf32"}, "unknown target")):
         with pytest.raises(SpecDecodeError, match=message):
-            planned(namespace(**bad))
+            planned(options(**bad))
 
 
 # ------------------------------------------------------------------- baselines and the points
@@ -296,7 +296,7 @@ def test_the_rule_given_now_wins_over_the_runs_and_the_harness_passes_it(
     runner = FakeTargetsRunner(STEPS, AGREEMENT, DIVERGE)  # started under "any"
     prompts = make_prompts(8)
     outcome = run_bench(runner, workload_of(prompts), grid(),
-                        BenchOptions(tmp_path / "run", n_resamples=200, progress=False,
+                        RunOptions(tmp_path / "run", n_resamples=200, progress=False,
                                      fidelity="kl=0.01"), out=io.StringIO())
     assert outcome.recommendation.config == "bf16/ngram-k4"
     html = outcome.report_html.read_text(encoding="utf-8")

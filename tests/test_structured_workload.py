@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from specdecode.bench.analysis import analyze, structured_summary
-from specdecode.bench.harness import BenchOptions, run_bench
+from specdecode.bench.harness import RunOptions, run_bench
 from specdecode.bench.plan import select_workload, structured_lines
 from specdecode.bench.recommend import recommend
 from specdecode.bench.records import ConfigSpec, RequestSample
@@ -140,7 +140,7 @@ def test_every_schema_compiles_and_starts_with_a_brace(tmp_path: Path) -> None:
 
 def test_bench_selects_the_structured_workload_by_name() -> None:
     assert set(BUILTIN_WORKLOADS) == {"default", "structured"}
-    w = select_workload("structured", "classification", None, strict=False)
+    w = select_workload("structured", ["classification"], None, strict=False)
     assert w.name == "structured" and {p.category for p in w.prompts} == {"classification"}
     assert len(w.prompts) == Counter(p.category for p in load_structured_workload().prompts)[
         "classification"]  # a built-in name other than the default keeps every prompt
@@ -186,7 +186,7 @@ def test_report_shows_validity_forced_tokens_and_mask_cost(tmp_path: Path) -> No
     n = 4
     prompts = _constrained_prompts(n)
     outcome = run_bench(StructuredRunner(), workload_of(prompts), [plain(), ngram()],
-                        BenchOptions(tmp_path / "out", progress=False, n_resamples=200),
+                        RunOptions(tmp_path / "out", progress=False, n_resamples=200),
                         out=io.StringIO())
     report = json.loads(outcome.report_json.read_text())
     by_name = {c["spec"]["name"]: c["structured"] for c in report["analysis"]["configs"]}
@@ -215,7 +215,7 @@ def test_report_shows_validity_forced_tokens_and_mask_cost(tmp_path: Path) -> No
 def test_no_structured_section_without_constraints(tmp_path: Path) -> None:
     outcome = run_bench(FakeRunner(), workload_of(make_prompts(3, multi_turn_every=99)),
                         [plain(), ngram()],
-                        BenchOptions(tmp_path / "out", progress=False, n_resamples=200),
+                        RunOptions(tmp_path / "out", progress=False, n_resamples=200),
                         out=io.StringIO())
     analysis = analyze(outcome.analysis.results, n_resamples=200)
     assert all(c.structured is None for c in analysis.configs)

@@ -16,7 +16,6 @@ SpecDecodeError naming it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from specdecode.bench.options import BenchOptions
 from specdecode.counters import Counters
 from specdecode.drafters.options import DEFAULT_KMAX, DrafterOptions
 from specdecode.errors import SpecDecodeError
@@ -267,13 +267,15 @@ class Specdecode:
     # ------------------------------------------------------------------------------- bench
 
     def bench(self, workload: str | Path | None = None, configs: str | None = None, *,
-              batch_sizes: Sequence[int] = (1,), categories: Sequence[str] | None = None,
+              batch_sizes: Sequence[int] = BenchOptions.batch_sizes,
+              categories: Sequence[str] | None = None,
               limit_per_category: int | None = None, max_tokens: int | None = None,
               audit_samples: int | None = None, out_dir: str | Path | None = None,
-              resume: bool = False, seed: int = 0, resamples: int | None = None,
+              resume: bool = False, seed: int = BenchOptions.seed, resamples: int | None = None,
               chat_template: bool = True, strict: bool = False, progress: bool = False,
-              specbench: str | Path | None = None, arrivals: str = "closed",
-              speed: float = 1.0, slo: str | None = None, out: TextIO | None = None,
+              specbench: str | Path | None = None, arrivals: str = BenchOptions.arrivals,
+              speed: float = BenchOptions.speed, slo: str | None = None,
+              out: TextIO | None = None,
               err: TextIO | None = None) -> Any:
         """Run `specdecode bench` on this model; returns its BenchOutcome (report paths,
         analysis, recommendation, summary text).
@@ -284,55 +286,32 @@ class Specdecode:
         configs: as `--configs`, e.g. "plain;ngram+w4a16:k=3" (None: the command's default).
         arrivals: "closed", "recorded" or "poisson:RATE" (open loop at the recorded times or a
         Poisson rate, `speed` times faster); slo: "ttft=0.5,tpot=0.05" for the goodput.
-        The other arguments are the command's flags; `out` receives the summary (default
-        sys.stdout), `err` the warnings (default sys.stderr). Results go to `out_dir` (default
-        runs/<UTC time>).
+        The other arguments are the command's flags, made into the same BenchOptions the
+        command line builds (checked once, by bench.plan, before anything runs); `out` receives
+        the summary (default sys.stdout), `err` the warnings (default sys.stderr). Results go
+        to `out_dir` (default runs/<UTC time>).
         """
         from specdecode.bench import plan as commands
 
-        args = _bench_args()
         if isinstance(categories, str):
             categories = [categories]
-        sizes = list(batch_sizes) if not isinstance(batch_sizes, int) else [batch_sizes]
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) for b in sizes):
-            raise SpecDecodeError(f"batch_sizes must be integers >= 1, got {batch_sizes!r}")
-        args.workload, args.specbench = _path(workload), _path(specbench)
-        args.configs = configs
-        args.model, args.backend = self.model_spec, self.backend
-        args.precision = self.loaded.precision
-        args.threads = self.threads
-        args.batch_sizes = ",".join(str(b) for b in sizes)
-        args.categories = ",".join(categories) if categories is not None else None
-        args.limit_per_category = limit_per_category
-        args.max_tokens = max_tokens
-        if audit_samples is not None:
-            args.audit_samples = audit_samples
-        args.out = Path(out_dir) if out_dir is not None else None
-        args.resume, args.seed, args.resamples = resume, seed, resamples
-        args.no_chat_template, args.strict, args.quiet = not chat_template, strict, not progress
-        args.arrivals, args.speed, args.slo = arrivals, speed, slo
+        sizes = tuple(batch_sizes) if not isinstance(batch_sizes, int) else (batch_sizes,)
+        options = BenchOptions(
+            model=self.model_spec, precision=self.loaded.precision, backend=self.backend,
+            threads=self.threads, chat_template=chat_template, workload=_path(workload),
+            specbench=_path(specbench),
+            categories=None if categories is None else tuple(categories),
+            limit_per_category=limit_per_category, strict=strict, configs=configs,
+            batch_sizes=sizes, max_tokens=max_tokens,
+            audit_samples=BenchOptions.audit_samples if audit_samples is None else audit_samples,
+            arrivals=arrivals, speed=speed, slo=slo,
+            out=Path(out_dir) if out_dir is not None else None, resume=resume, seed=seed,
+            resamples=resamples, progress=progress)
         out, err = out or sys.stdout, err or sys.stderr
-        plan = commands.plan_bench(args, err)
-        runner = commands.make_runner(args, plan, commands.default_max_tokens(args),
+        plan = commands.plan_bench(options, err)
+        runner = commands.make_runner(options, plan, commands.default_max_tokens(options),
                                       loaded=self.loaded)
         return commands.execute(runner, plan, out)
-
-
-def _bench_args() -> argparse.Namespace:
-    """`specdecode bench`'s arguments (bench.plan reads them) as the API runs it: in process, on
-    one target, with no constraint flags, and every other one at the command's default
-    (tests/test_api.py holds this to the command line's parser, which the API does not import:
-    the command line builds on the API, not the reverse)."""
-    from specdecode.bench.plan import DEFAULT_AUDIT_SAMPLES
-
-    return argparse.Namespace(
-        model=None, precision="auto", backend="auto", threads=None, no_chat_template=False,
-        workload=None, specbench=None, categories=None, strict=False, json_schema=None,
-        regex=None, grammar=None, limit_per_category=None, configs=None, targets=None,
-        fidelity=None, batch_sizes="1", max_tokens=None, audit_samples=DEFAULT_AUDIT_SAMPLES,
-        resume=False, endpoint=None, api_key=None, request_timeout=None, out=None, seed=0,
-        resamples=None, quiet=False, arrivals="closed", speed=1.0, replay_window=None,
-        slo=None)
 
 
 def auto_steps(loaded: Any, gen: Any, max_step_cost: float | None = None) -> Iterator[Any]:

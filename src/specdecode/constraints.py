@@ -127,12 +127,6 @@ def spec_from_args(json_schema: str | None, regex: str | None,
     return None
 
 
-def spec_from_namespace(args: Any) -> ConstraintSpec | None:
-    """spec_from_args of a command line's parsed flags (absent flags count as not given)."""
-    return spec_from_args(*(getattr(args, name, None)
-                            for name in ("json_schema", "regex", "grammar")))
-
-
 def _json_schema(text: str, origin: str) -> dict[str, Any] | bool:
     try:
         schema = json.loads(text)

@@ -16,7 +16,7 @@ Order of work in `run_bench`:
 6. report.json and report.html, assembled from the results file, and the terminal summary
    (both flag the configurations measured under interference, see `interference`).
 
-With open-loop arrivals (`BenchOptions.arrivals`: recorded or Poisson, bench.arrivals) steps
+With open-loop arrivals (`RunOptions.arrivals`: recorded or Poisson, bench.arrivals) steps
 3-4 are bench.openloop's instead: windows of the schedule replayed by every configuration in
 turn, each request started when it is due, each sample written as it ends.
 """
@@ -82,7 +82,7 @@ Task = tuple[int, list[Prompt], ConfigSpec]  # (group index, prompts, config)
 
 
 @dataclass
-class BenchOptions:
+class RunOptions:
     """How to run: where to write, resume or not, seeds, bootstrap size, progress bar."""
 
     out_dir: Path
@@ -260,7 +260,7 @@ def collect_extras(runner: Runner, store: ResultStore, configs: Sequence[ConfigS
                 store.append(dataclasses.replace(verdict, batch_size=config.batch_size))
 
 
-def finish(results_path: Path, options: BenchOptions, measured: int, resumed: int
+def finish(results_path: Path, options: RunOptions, measured: int, resumed: int
            ) -> BenchOutcome:
     """Analyze the results file and write report.json and report.html beside it."""
     results = read_results(results_path)
@@ -281,7 +281,7 @@ def finish(results_path: Path, options: BenchOptions, measured: int, resumed: in
 
 
 def run_bench(
-    runner: Runner, workload: Workload, configs: Sequence[ConfigSpec], options: BenchOptions,
+    runner: Runner, workload: Workload, configs: Sequence[ConfigSpec], options: RunOptions,
     out: TextIO | None = None,
 ) -> BenchOutcome:
     """Measure every config on the workload, write results and reports, print the summary.

@@ -1,6 +1,7 @@
 """What `bench` and `tune` run, checked before any model loads: their configurations, workload
-and output folder (a `BenchPlan`), the runner and the measured run. The command line
-(`cli.bench`, `cli.tune`) and the Python API (`Specdecode.bench`) both run it.
+and output folder (a `BenchPlan`), the runner and the measured run, from one checked
+`bench.options.BenchOptions`: the command line (`cli.bench`, `cli.tune`) and the Python API
+(`Specdecode.bench`) each build one and run it here.
 
 Configurations are written `--configs "plain;int8:k=3;ngram:k=4,ngram_max=3"`: items separated
 by ";", each a drafter name ("plain" for plain decoding) optionally followed by ":" and
@@ -19,7 +20,6 @@ before the first measurement. Errors are SpecDecodeError: the CLI prints one lin
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -30,6 +30,7 @@ from typing import Any, Literal, TextIO
 
 from specdecode.bench.arrivals import Arrivals, offsets, parse_arrivals
 from specdecode.bench.openloop import REPLAY_WINDOW_S
+from specdecode.bench.options import TUNE_MAX_TOKENS, BenchOptions, TuneOptions
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec, drafter_options
 from specdecode.bench.traffic import Slo, parse_slo
@@ -43,17 +44,12 @@ from specdecode.bench.workloads import (
     load_repetitive_workload,
     load_workload,
 )
-from specdecode.constraints import spec_from_namespace
 from specdecode.errors import SpecDecodeError
-from specdecode.limits import K_RANGE, MAX_K, valid_k
+from specdecode.limits import K_RANGE, valid_k
 
 DEFAULT_LIMIT_PER_CATEGORY = 1  # built-in workload: one prompt of each of its 6 categories
 DEFAULT_MAX_TOKENS_CAP = 64  # built-in workload: cap on every prompt's max_tokens
 DEFAULT_RUNNER_MAX_TOKENS = 128  # prompts that set no max_tokens
-DEFAULT_AUDIT_SAMPLES = 60  # sampled audit: generations per side (2 tokens each)
-TUNE_K_VALUES = "1,2,3,4,6,8"
-TUNE_PROMPTS = 3
-TUNE_MAX_TOKENS = 32
 RESERVED_KEYS = ("k", "temperature", "name")
 PEER_DEFAULT_K = {"llamacpp-generate": "1", "llamacpp-lookup": "10"}  # its own default
 # On the llama.cpp backend: plain and prompt lookup under the controller (it verifies only the
@@ -239,12 +235,13 @@ def parse_categories(text: str | None) -> list[str] | None:
     return cats
 
 
-def select_workload(workload: str | None, categories: str | None, limit: int | None,
+def select_workload(workload: str | None, categories: Sequence[str] | None, limit: int | None,
                     strict: bool, specbench: str | None = None, seed: int = 0) -> Workload:
     """The --workload file; the built-in default one (None or `default`: one prompt per
     category unless --limit...); another built-in one by name (`structured`: every prompt); or
-    the repetitive one (from --specbench when given; its order drawn with --seed)."""
-    cats = parse_categories(categories)
+    the repetitive one (from --specbench when given; its order drawn with --seed); of
+    `categories` only (None: every one)."""
+    cats = None if categories is None else list(categories)
     if specbench is not None and workload != REPETITIVE_WORKLOAD:
         raise SpecDecodeError(f"--specbench builds --workload {REPETITIVE_WORKLOAD}; to run a "
                               "Spec-Bench file as it is, pass it as --workload FILE")
@@ -271,15 +268,12 @@ def default_out_dir(prefix: str = "") -> Path:
 # --------------------------------------------------------------------------------- running
 
 
-def endpoint_configs_from(args: argparse.Namespace) -> list[ConfigSpec]:
-    """The configurations of `--endpoint` values (refusing --configs beside them)."""
+def endpoint_configs_from(options: BenchOptions) -> list[ConfigSpec]:
+    """The configurations of the `--endpoint` values (BenchOptions.check refuses --configs
+    beside them)."""
     from specdecode.bench.http_runner import endpoint_configs, parse_endpoints
 
-    if args.configs:
-        raise SpecDecodeError("--configs selects in-process drafters; with --endpoint each "
-                              "server's own setting is measured: list several --endpoint "
-                              "NAME=URL to compare servers (the first is the baseline)")
-    return endpoint_configs(parse_endpoints(args.endpoint))
+    return endpoint_configs(parse_endpoints(list(options.endpoints)))
 
 
 @dataclass
@@ -307,75 +301,61 @@ class BenchPlan:
     slo: Slo | None = None
 
 
-def check_numbers(args: argparse.Namespace) -> None:
-    """--threads, --max-tokens and --audit-samples, where given, are in range."""
-    for flag, low in (("threads", 1), ("max_tokens", 1), ("audit_samples", 0)):
-        value = getattr(args, flag, None)
-        if value is not None and value < low:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= {low}, got {value}")
-
-
-def plan_bench(args: argparse.Namespace, err: TextIO) -> BenchPlan:
-    """Check numbers, configurations, batch sizes, workload and output folder, in that order."""
+def plan_bench(options: BenchOptions, err: TextIO) -> BenchPlan:
+    """Check the options, then configurations, workload and output folder, in that order."""
     from specdecode.bench.harness import config_grid, validate_configs
     from specdecode.bench.store import preflight
 
-    check_numbers(args)
-    if args.resume and args.out is None:
-        raise SpecDecodeError("--resume needs --out DIR (the folder of the run to continue)")
-    batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
+    options.check()
     skipped: dict[str, dict[str, str]] = {}
     no_reference = None
-    if getattr(args, "targets", None):
+    if options.targets:
         from specdecode.bench.targets import DEFAULT_TARGET_CONFIGS, REFERENCE, plan_targets
 
         grid, skipped, no_reference = plan_targets(
-            args, batch_sizes, parse_configs(args.configs or DEFAULT_TARGET_CONFIGS, REFERENCE))
-    elif getattr(args, "fidelity", None) is not None:
-        raise SpecDecodeError("--fidelity chooses among the targets of --targets; a run of one "
-                              "target has its own fidelity")
+            options, options.batch_sizes,
+            parse_configs(options.configs or DEFAULT_TARGET_CONFIGS, REFERENCE))
     else:
-        if getattr(args, "endpoint", None):
-            configs = endpoint_configs_from(args)
+        if options.endpoints:
+            configs = endpoint_configs_from(options)
         else:
-            configs = parse_configs(args.configs or default_configs_text(
-                args.backend, args.precision, getattr(args, "model", None)), args.precision)
-            check_invariant_target(args.precision, configs)
-        grid = config_grid(configs, batch_sizes)
+            configs = parse_configs(options.configs or default_configs_text(
+                options.backend, options.precision, options.model), options.precision)
+            check_invariant_target(options.precision, configs)
+        grid = config_grid(configs, sorted(set(options.batch_sizes)))
     validate_configs(grid)
-    workload = select_workload(args.workload, args.categories, args.limit_per_category,
-                               args.strict, getattr(args, "specbench", None), args.seed)
-    workload = constrain_workload(workload, spec_from_namespace(args))
+    workload = select_workload(options.workload, options.categories, options.limit_per_category,
+                               options.strict, options.specbench, options.seed)
+    workload = constrain_workload(workload, options.constraint)
     report_skipped(workload, err)
-    arrivals, window, slo = traffic_options(args, workload, err)
-    cap = args.max_tokens if args.max_tokens is not None else (
-        DEFAULT_MAX_TOKENS_CAP if args.workload in (None, "default") else None)
-    out_dir = preflight(args.out or default_out_dir(), args.resume)
-    return BenchPlan(workload, grid, out_dir, args.resume, args.seed, cap,
-                     progress=not args.quiet, n_resamples=args.resamples,
-                     targets=bool(getattr(args, "targets", None)), skipped=skipped,
-                     fidelity=getattr(args, "fidelity", None),
+    arrivals, window, slo = traffic_options(options, workload, err)
+    cap = options.max_tokens if options.max_tokens is not None else (
+        DEFAULT_MAX_TOKENS_CAP if options.workload in (None, "default") else None)
+    out_dir = preflight(options.out or default_out_dir(), options.resume)
+    return BenchPlan(workload, grid, out_dir, options.resume, options.seed, cap,
+                     progress=options.progress, n_resamples=options.resamples,
+                     targets=bool(options.targets), skipped=skipped,
+                     fidelity=options.fidelity,
                      no_reference=no_reference, arrivals=arrivals, replay_window_s=window,
                      slo=slo)
 
 
-def traffic_options(args: argparse.Namespace, workload: Workload, err: TextIO
+def traffic_options(options: BenchOptions, workload: Workload, err: TextIO
                     ) -> tuple[Arrivals, float, Slo | None]:
     """--arrivals, --speed, --replay-window and --slo, checked against the workload (recorded
     arrivals need arrival times; --targets replays nothing); the workload's notes (sessions,
     lines out of order) printed."""
-    arrivals = parse_arrivals(getattr(args, "arrivals", None), getattr(args, "speed", 1.0))
-    window = getattr(args, "replay_window", None)
-    window = REPLAY_WINDOW_S if window is None else window
+    arrivals = parse_arrivals(options.arrivals, options.speed)
+    window = REPLAY_WINDOW_S if options.replay_window is None else options.replay_window
     if not window > 0:
         raise SpecDecodeError(f"--replay-window must be > 0 seconds (inf: one window), got "
                               f"{window}")
     if arrivals.open_loop:
-        if getattr(args, "targets", None):
+        if options.targets:
             raise SpecDecodeError("--arrivals recorded|poisson replays one target; --targets "
                                   "measures closed loop")
-        offsets(workload.prompts, arrivals, args.seed)  # recorded: every prompt has a time
-    slo = parse_slo(getattr(args, "slo", None))
+        offsets(workload.prompts, arrivals, options.seed)  # recorded: every prompt has a time
+    slo = parse_slo(options.slo)
     for note in workload.notes:
         print(f"specdecode: note: {workload.path}: {note}", file=err)
     return arrivals, window, slo
@@ -415,7 +395,7 @@ def structured_lines(results_path: Path) -> list[str]:
     return lines
 
 
-def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: int,
+def make_runner(options: BenchOptions, plan: BenchPlan, default_max_tokens: int,
                 loaded: Any = None) -> Any:
     """Load the model (unless `loaded`, a LoadedModel, is given: the Python API's) and build the
     in-process runner; build and check every drafter."""
@@ -423,36 +403,37 @@ def make_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: i
 
     from specdecode.models.backends import load_model
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
     if plan.targets:
         from specdecode.bench.targets import make_targets_runner
 
         return make_targets_runner(
-            args, plan, plan.skipped, plan.no_reference,
-            lambda model: in_process_runner(args, plan, default_max_tokens, model))
+            options, plan, plan.skipped, plan.no_reference,
+            lambda model: in_process_runner(options, plan, default_max_tokens, model))
     if loaded is None:
-        loaded = load_model(args.model, args.precision, args.backend,
+        loaded = load_model(options.model, options.precision, options.backend,
                             max_batch=max(c.batch_size for c in plan.configs))
-    runner = in_process_runner(args, plan, default_max_tokens, loaded)
+    runner = in_process_runner(options, plan, default_max_tokens, loaded)
     runner.check(plan.configs)
     return runner
 
 
-def in_process_runner(args: argparse.Namespace, plan: BenchPlan, default_max_tokens: int,
+def in_process_runner(options: BenchOptions, plan: BenchPlan, default_max_tokens: int,
                       loaded: Any) -> Any:
-    """The in-process runner over a loaded model, its capacity fitted to the workload."""
+    """The in-process runner over a loaded model, its capacity fitted to the workload (tune
+    audits nothing: its configurations are greedy)."""
     from specdecode.bench.inprocess import InProcessRunner, config_k
 
+    audit_samples = 0 if options.tune is not None else options.audit_samples
     runner = InProcessRunner(loaded, seed=plan.seed, default_max_tokens=default_max_tokens,
-                             max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template,
-                             audit_samples=getattr(args, "audit_samples", 0),
-                             progress=plan.progress)
+                             max_tokens_cap=plan.max_tokens_cap, chat=options.chat_template,
+                             audit_samples=audit_samples, progress=plan.progress)
     runner.fit_capacity(plan.workload.prompts, max(config_k(c) for c in plan.configs))
     return runner
 
 
-def make_http_runner(args: argparse.Namespace, plan: BenchPlan,
+def make_http_runner(options: BenchOptions, plan: BenchPlan,
                      default_max_tokens: int) -> Any:
     """The HTTP runner over the plan's endpoints, every endpoint probed (SpecDecodeError naming
     the URL when one cannot be used)."""
@@ -460,13 +441,11 @@ def make_http_runner(args: argparse.Namespace, plan: BenchPlan,
 
     from specdecode.bench.http_runner import API_KEY_ENV, HttpRunner, parse_endpoints
 
-    if not args.request_timeout > 0:
-        raise SpecDecodeError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    runner = HttpRunner(parse_endpoints(args.endpoint), model=args.model,
-                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    runner = HttpRunner(parse_endpoints(list(options.endpoints)), model=options.model,
+                        api_key=options.api_key or os.environ.get(API_KEY_ENV) or None,
                         seed=plan.seed, default_max_tokens=default_max_tokens,
-                        max_tokens_cap=plan.max_tokens_cap, chat=not args.no_chat_template,
-                        timeout=args.request_timeout)
+                        max_tokens_cap=plan.max_tokens_cap, chat=options.chat_template,
+                        timeout=options.request_timeout)
     try:
         runner.prepare(plan.workload.prompts)  # judges of the constraints, before any request
         runner.check(plan.configs)
@@ -479,9 +458,9 @@ def make_http_runner(args: argparse.Namespace, plan: BenchPlan,
 def execute(runner: Any, plan: BenchPlan, out: TextIO) -> Any:
     """run_bench with the plan's options; returns its BenchOutcome."""
     from specdecode.bench.analysis import DEFAULT_RESAMPLES
-    from specdecode.bench.harness import BenchOptions, run_bench
+    from specdecode.bench.harness import RunOptions, run_bench
 
-    options = BenchOptions(plan.out_dir, resume=plan.resume, seed=plan.seed,
+    options = RunOptions(plan.out_dir, resume=plan.resume, seed=plan.seed,
                            n_resamples=plan.n_resamples or DEFAULT_RESAMPLES,
                            progress=plan.progress, fidelity=plan.fidelity,
                            arrivals=plan.arrivals, replay_window_s=plan.replay_window_s,
@@ -489,26 +468,28 @@ def execute(runner: Any, plan: BenchPlan, out: TextIO) -> Any:
     return run_bench(runner, plan.workload, plan.configs, options, out=out)
 
 
-def default_max_tokens(args: argparse.Namespace) -> int:
+def default_max_tokens(options: BenchOptions) -> int:
     """The new-token limit of prompts that set none: --max-tokens where given (a Spec-Bench file
     run with --max-tokens 1024 generates up to 1,024 tokens, as Spec-Bench's own scripts do),
-    else DEFAULT_RUNNER_MAX_TOKENS."""
-    return args.max_tokens if args.max_tokens is not None else DEFAULT_RUNNER_MAX_TOKENS
+    tune's TUNE_MAX_TOKENS, else DEFAULT_RUNNER_MAX_TOKENS."""
+    if options.max_tokens is not None:
+        return options.max_tokens
+    return TUNE_MAX_TOKENS if options.tune is not None else DEFAULT_RUNNER_MAX_TOKENS
 
 
 # ------------------------------------------------------------------------------------- tune
 
 
-def tune_drafters(text: str | None, draft_model: bool = False) -> list[str]:
-    """--drafters as names; default: every registered drafter that needs no option it lacks
+def tune_drafters(given: Sequence[str] | None, draft_model: bool = False) -> list[str]:
+    """--drafters, checked; default: every registered drafter that needs no option it lacks
     (with --draft-model, those that draft with it too)."""
     from specdecode.drafters.options import needs
 
     known = known_drafters()
-    if text is None:
+    if given is None:
         return [d for d in known if d != "none" and not is_peer(d)
                 and (draft_model or not needs(d))]
-    names = [d.strip() for d in text.split(",") if d.strip()]
+    names = [d.strip() for d in given if d.strip()]
     unknown = [d for d in names if d not in known or d == "none"]
     if unknown or not names:
         raise SpecDecodeError(f"--drafters: unknown drafter(s) {', '.join(unknown) or '(none)'}"
@@ -550,39 +531,36 @@ def round_robin(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
     return picked
 
 
-def tune_workload(args: argparse.Namespace) -> Workload:
+def tune_workload(options: BenchOptions, tune: TuneOptions) -> Workload:
     """--prompts greedy prompts, spread over the categories (default: the built-in workload)."""
-    cats = parse_categories(args.categories)
-    specbench = getattr(args, "specbench", None)
-    if args.workload == REPETITIVE_WORKLOAD or specbench is not None:
-        workload = select_workload(args.workload, args.categories, None, args.strict, specbench,
-                                   args.seed)
-    elif args.workload is None:
+    cats = None if options.categories is None else list(options.categories)
+    if options.workload == REPETITIVE_WORKLOAD or options.specbench is not None:
+        workload = select_workload(options.workload, cats, None, options.strict,
+                                   options.specbench, options.seed)
+    elif options.workload is None:
         workload = load_default_workload(cats)
-    elif args.workload in BUILTIN_WORKLOADS:
-        workload = load_builtin_workload(args.workload, cats)
+    elif options.workload in BUILTIN_WORKLOADS:
+        workload = load_builtin_workload(options.workload, cats)
     else:
-        workload = load_workload(args.workload, categories=cats, strict=args.strict)
+        workload = load_workload(options.workload, categories=cats, strict=options.strict)
     greedy = [p for p in workload.prompts if p.temperature is None] or workload.prompts
-    return Workload(f"{workload.name}-tune", workload.path, round_robin(greedy, args.prompts),
+    return Workload(f"{workload.name}-tune", workload.path, round_robin(greedy, tune.prompts),
                     workload.skipped, workload.categories)
 
 
-def plan_tune(args: argparse.Namespace, err: TextIO) -> BenchPlan:
-    """The calibration run's plan, checked before the model is loaded."""
+def plan_tune(options: BenchOptions, err: TextIO) -> BenchPlan:
+    """The calibration run's plan (options.tune: what is tried), checked before the model is
+    loaded."""
     from specdecode.bench.store import preflight
 
-    check_numbers(args)
-    if args.prompts < 1:
-        raise SpecDecodeError(f"--prompts must be >= 1, got {args.prompts}")
-    k_values = parse_int_list(args.k_values, "--k-values")
-    if k_values[-1] > MAX_K:
-        raise SpecDecodeError(f"--k-values must be in {K_RANGE}, got {args.k_values!r}")
-    drafters = tune_drafters(args.drafters, args.draft_model is not None)
-    configs = tune_configs(drafters, k_values, args.precision, args.draft_model)
-    check_invariant_target(args.precision, configs)
-    workload = tune_workload(args)
+    options.check()
+    tune = options.tune or TuneOptions()
+    drafters = tune_drafters(tune.drafters, tune.draft_model is not None)
+    configs = tune_configs(drafters, sorted(set(tune.k_values)), options.precision,
+                           tune.draft_model)
+    check_invariant_target(options.precision, configs)
+    workload = tune_workload(options, tune)
     report_skipped(workload, err)
-    out_dir = preflight(args.out or default_out_dir("tune-"), False)
-    return BenchPlan(workload, configs, out_dir, False, args.seed, args.max_tokens,
-                     progress=not args.quiet, n_resamples=args.resamples)
+    out_dir = preflight(options.out or default_out_dir("tune-"), False)
+    return BenchPlan(workload, configs, out_dir, False, options.seed, default_max_tokens(options),
+                     progress=options.progress, n_resamples=options.resamples)

@@ -25,7 +25,6 @@ here, and the run shows by how much.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -33,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from specdecode.bench.options import BenchOptions
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import (
     AuditVerdict,
@@ -153,32 +153,26 @@ def peer_available(model: str | None) -> str | None:
     return None
 
 
-def plan_targets(args: argparse.Namespace, batch_sizes: Sequence[int],
+def plan_targets(options: BenchOptions, batch_sizes: Sequence[int],
                  configs: Sequence[ConfigSpec]
                  ) -> tuple[list[ConfigSpec], dict[str, dict[str, str]], str | None]:
     """The configurations of a `--targets` run (`configs`: `--configs` parsed, default
     DEFAULT_TARGET_CONFIGS), those left out, and why there is no llama-cpp-python reference
-    (None: there is); checked before anything loads."""
+    (None: there is); checked before anything loads (BenchOptions.check refused --endpoint,
+    --precision and --backend beside --targets)."""
     from specdecode.bench.frontier import parse_fidelity
 
-    if getattr(args, "endpoint", None):
-        raise SpecDecodeError("--targets measures targets in process; --endpoint measures "
-                              "servers: use one or the other")
-    if not precision.is_auto(args.precision) or not backends.is_auto(args.backend):
-        raise SpecDecodeError("--targets names each target's precision and backend (e.g. "
-                              "--targets fp32,bf16,w4a16,llama.cpp): leave --precision and "
-                              "--backend out")
-    parse_fidelity(args.fidelity)
-    targets = parse_targets(args.targets)
+    parse_fidelity(options.fidelity)
+    targets = parse_targets(options.targets or "")
     peers = [c.name for c in configs if is_peer(c.drafter)]
     if peers:
         raise SpecDecodeError(f"--targets adds llama-cpp-python's own decoding as the reference "
                               f"itself: leave {', '.join(peers)} out of --configs")
-    no_peer = peer_available(args.model)
+    no_peer = peer_available(options.model)
     host = backends.peer_target().name  # its backend's library is the peer's
     if host in targets and no_peer is not None and "llama_cpp" in no_peer:
         raise SpecDecodeError(f"--targets {host}: {no_peer}")
-    grid, skipped = target_configs(targets, configs, batch_sizes, no_peer is None)
+    grid, skipped = target_configs(targets, configs, sorted(set(batch_sizes)), no_peer is None)
     measured = {g.name for g in grid}
     for c in configs:
         if not any(f"{t}/{c.name}" in measured for t in targets):
@@ -233,7 +227,7 @@ class LoadedTarget:
     facts: dict[str, Any]
 
 
-def load_target(args: argparse.Namespace, name: str, max_batch: int, make: Any,
+def load_target(options: BenchOptions, name: str, max_batch: int, make: Any,
                 err: TextIO) -> LoadedTarget:
     """Load `name` and build its runner with `make(loaded)`."""
     from specdecode.models.backends import load_model
@@ -241,7 +235,8 @@ def load_target(args: argparse.Namespace, name: str, max_batch: int, make: Any,
     start = time.perf_counter()
     target = _target(name)
     print(f"specdecode: loading the {name} target", file=err)
-    loaded = load_model(args.model, target.precision, target.backend.name, max_batch=max_batch)
+    loaded = load_model(options.model, target.precision, target.backend.name,
+                        max_batch=max_batch)
     facts = {"backend": loaded.backend, "precision": loaded.precision,
              "weight_bytes": loaded.weight_bytes(), "load_s": time.perf_counter() - start,
              **invariance_facts(loaded.model)}
@@ -326,7 +321,7 @@ def refusals(runner: Any, configs: Sequence[ConfigSpec]) -> dict[str, str]:
     return refused
 
 
-def make_targets_runner(args: argparse.Namespace, plan: Any, skipped: dict[str, dict[str, str]],
+def make_targets_runner(options: BenchOptions, plan: Any, skipped: dict[str, dict[str, str]],
                         no_reference: str | None, make: Any, err: TextIO = sys.stderr
                         ) -> TargetsRunner:
     """Load every target (and llama.cpp for the reference when it is not a target), measure
@@ -335,16 +330,16 @@ def make_targets_runner(args: argparse.Namespace, plan: Any, skipped: dict[str, 
     its first refusal). `make(loaded)` builds a target's InProcessRunner."""
     from specdecode.agreement import teacher_forced_logits
 
-    targets = parse_targets(args.targets)
+    targets = parse_targets(options.targets or "")
     max_batch = max(c.batch_size for c in plan.configs)
     host = backends.peer_target().name  # loaded for the peer when it is not a target itself
     wanted = targets + ([host] if no_reference is None and host not in targets else [])
-    loaded = {n: load_target(args, n, max_batch, make, err) for n in wanted}
+    loaded = {n: load_target(options, n, max_batch, make, err) for n in wanted}
     reference_model = loaded[REFERENCE].runner.loaded.model if REFERENCE in loaded else None
     if reference_model is None:
         from specdecode.models.backends import load_model
 
-        reference_model = load_model(args.model, REFERENCE, backends.NATIVE.name).model
+        reference_model = load_model(options.model, REFERENCE, backends.NATIVE.name).model
     tokenizer = next(iter(loaded.values())).runner.loaded.tokenizer
     ids = agreement_ids(tokenizer)
     reference = teacher_forced_logits(reference_model, ids, AGREEMENT_CHUNK)
@@ -368,4 +363,4 @@ def make_targets_runner(args: argparse.Namespace, plan: Any, skipped: dict[str, 
         for config, why in target.facts["refused"].items():
             print(f"specdecode: {config} left out: {why}", file=err)
     plan.configs = [c for c in plan.configs if c in kept]
-    return TargetsRunner(loaded, args.fidelity or "any", no_reference)
+    return TargetsRunner(loaded, options.fidelity or "any", no_reference)

@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any, Literal
 
+from specdecode.bench.options import BenchOptions
 from specdecode.drafters.options import DEFAULT_KMAX, DrafterOptions
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import K_RANGE, RULES
@@ -75,7 +76,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def add_run_args(p: argparse.ArgumentParser, out_help: str) -> None:
     """--out, --seed, --resamples, --quiet: a measured run's output (`bench`, `tune`)."""
     p.add_argument("--out", type=Path, default=None, help=out_help)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=BenchOptions.seed)
     p.add_argument("--resamples", type=int, default=None, help="bootstrap resamples")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -152,9 +153,24 @@ def add_constraint_args(p: argparse.ArgumentParser) -> None:
 def constraint_spec(args: argparse.Namespace) -> Any:
     """The constraint the flags of add_constraint_args ask for (constraints.ConstraintSpec,
     checked: a bad schema is one error naming its file, before any model loads), or None."""
-    from specdecode.constraints import spec_from_namespace
+    from specdecode.constraints import spec_from_args
 
-    return spec_from_namespace(args)
+    return spec_from_args(args.json_schema, args.regex, args.grammar)
+
+
+def bench_options(args: argparse.Namespace, **own: Any) -> BenchOptions:
+    """The BenchOptions of the flags `bench` and `tune` share (add_model_args,
+    add_measurement_args, add_workload_args, add_run_args, --max-tokens), with the command's
+    own in `own`: the one place the command line's flags become bench options."""
+    from specdecode.bench.plan import parse_categories
+
+    categories = parse_categories(args.categories)
+    return BenchOptions(
+        model=args.model, precision=args.precision, backend=args.backend, threads=args.threads,
+        chat_template=not args.no_chat_template, workload=args.workload,
+        specbench=args.specbench, categories=None if categories is None else tuple(categories),
+        strict=args.strict, max_tokens=args.max_tokens, out=args.out, seed=args.seed,
+        resamples=args.resamples, progress=not args.quiet, **own)
 
 
 def bind_constraint(spec: Any, loaded: Any, eos: tuple[int, ...]) -> Any:

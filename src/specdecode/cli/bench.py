@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from specdecode.bench import plan as bench_plan
+from specdecode.bench.options import DEFAULT_AUDIT_SAMPLES, BenchOptions
 from specdecode.bench.plan import (
-    DEFAULT_AUDIT_SAMPLES,
     DEFAULT_LIMIT_PER_CATEGORY,
     DEFAULT_MAX_TOKENS_CAP,
     DEFAULT_RUNNER_MAX_TOKENS,
@@ -23,6 +23,8 @@ from specdecode.cli.args import (
     add_model_args,
     add_run_args,
     add_workload_args,
+    bench_options,
+    constraint_spec,
 )
 from specdecode.models.backends import bench_targets
 
@@ -86,7 +88,8 @@ def register(sub: Any) -> None:
                    help="--targets: the fidelity the recommendation must keep: fp32 (the fp32 "
                         "target's output), any (default), kl=X (mean KL from fp32 at most X "
                         "nats) or top1=X (top-1 agreement with fp32 at least X, 0-1)")
-    b.add_argument("--batch-sizes", default="1", help="comma-separated (default 1)")
+    b.add_argument("--batch-sizes", default=",".join(map(str, BenchOptions.batch_sizes)),
+                   help="comma-separated (default 1)")
     b.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per prompt: the limit of prompts that set no max_tokens "
                         "and a cap on those that do (default: prompts without one get "
@@ -96,14 +99,15 @@ def register(sub: Any) -> None:
                    help="generations per side of the sampled losslessness audit of each "
                         f"speculative config at temperature > 0 (default "
                         f"{DEFAULT_AUDIT_SAMPLES}; 0: none)")
-    b.add_argument("--arrivals", default="closed", metavar="closed|recorded|poisson:RATE",
+    b.add_argument("--arrivals", default=BenchOptions.arrivals,
+                   metavar="closed|recorded|poisson:RATE",
                    help="closed (default): batches of --batch-sizes requests, the next when all "
                         "have ended; recorded: open loop at the workload's arrival times (a "
                         "serve --record recording, or a log with timestamps); poisson:RATE: "
                         "open loop, RATE requests/s drawn from --seed. Open loop, --batch-sizes "
                         "is the engine's rows (a server's --max-batch) and the report shows the "
                         "batch sizes the traffic produced, its tails and goodput")
-    b.add_argument("--speed", type=float, default=1.0,
+    b.add_argument("--speed", type=float, default=BenchOptions.speed,
                    help="open loop: compress time by this factor (2: arrivals twice as fast)")
     b.add_argument("--replay-window", type=float, default=None, metavar="SECONDS",
                    help="open loop: seconds of arrivals replayed per window, every "
@@ -119,26 +123,40 @@ def register(sub: Any) -> None:
                         "in-process engine (repeatable: the first is the baseline; see above)")
     b.add_argument("--api-key", default=None,
                    help="--endpoint: Bearer token (default: $SPECDECODE_API_KEY if set)")
-    b.add_argument("--request-timeout", type=float, default=300.0,
+    b.add_argument("--request-timeout", type=float, default=BenchOptions.request_timeout,
                    help="--endpoint: seconds a request may wait for its next byte (default 300)")
     add_run_args(b, "output folder (default: runs/<UTC timestamp>)")
     b.set_defaults(func=cmd_bench)
+
+
+def options_of(args: argparse.Namespace) -> BenchOptions:
+    """The BenchOptions of `bench`'s flags."""
+    return bench_options(
+        args, limit_per_category=args.limit_per_category, configs=args.configs,
+        targets=args.targets, fidelity=args.fidelity,
+        batch_sizes=tuple(bench_plan.parse_int_list(args.batch_sizes, "--batch-sizes")),
+        audit_samples=args.audit_samples, arrivals=args.arrivals, speed=args.speed,
+        replay_window=args.replay_window, slo=args.slo, resume=args.resume,
+        endpoints=tuple(args.endpoint or ()), api_key=args.api_key,
+        request_timeout=args.request_timeout, constraint=constraint_spec(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Measure, write report.json / report.html, print the summary."""
     out, err = sys.stdout, sys.stderr
     start = time.perf_counter()
-    plan = bench_plan.plan_bench(args, err)
-    if args.endpoint:
-        runner = bench_plan.make_http_runner(args, plan, bench_plan.default_max_tokens(args))
+    options = options_of(args)
+    plan = bench_plan.plan_bench(options, err)
+    if options.endpoints:
+        runner = bench_plan.make_http_runner(options, plan,
+                                             bench_plan.default_max_tokens(options))
         try:
             outcome = bench_plan.execute(runner, plan, out)
         finally:
             runner.close()
         print("\n".join(endpoint_lines(outcome)), file=out)
     else:
-        runner = bench_plan.make_runner(args, plan, bench_plan.default_max_tokens(args))
+        runner = bench_plan.make_runner(options, plan, bench_plan.default_max_tokens(options))
         outcome = bench_plan.execute(runner, plan, out)
     for line in bench_plan.structured_lines(outcome.results_path):
         print(line, file=out)

@@ -11,12 +11,20 @@ import time
 from typing import Any
 
 from specdecode.bench import plan as bench_plan
-from specdecode.bench.plan import TUNE_K_VALUES, TUNE_MAX_TOKENS, TUNE_PROMPTS, plan_tune
+from specdecode.bench.options import (
+    TUNE_K_VALUES,
+    TUNE_MAX_TOKENS,
+    TUNE_PROMPTS,
+    BenchOptions,
+    TuneOptions,
+)
+from specdecode.bench.plan import parse_int_list, plan_tune
 from specdecode.cli.args import (
     add_measurement_args,
     add_model_args,
     add_run_args,
     add_workload_args,
+    bench_options,
 )
 
 
@@ -29,7 +37,8 @@ def register(sub: Any) -> None:
     t.add_argument("--drafters", default=None,
                    help="comma-separated (default: every drafter needing no extra argument)")
     t.add_argument("--draft-model", default=None, help="draft checkpoint for draft-model")
-    t.add_argument("--k-values", default=TUNE_K_VALUES, help=f"default {TUNE_K_VALUES}")
+    k_values = ",".join(map(str, TUNE_K_VALUES))
+    t.add_argument("--k-values", default=k_values, help=f"default {k_values}")
     t.add_argument("--prompts", type=int, default=TUNE_PROMPTS,
                    help=f"calibration prompts, spread over the categories (default "
                         f"{TUNE_PROMPTS})")
@@ -86,6 +95,15 @@ def tune_verdict(best: Any) -> list[str]:
     return lines
 
 
+def options_of(args: argparse.Namespace) -> BenchOptions:
+    """The BenchOptions of `tune`'s flags, its own in TuneOptions."""
+    drafters = None if args.drafters is None else tuple(args.drafters.split(","))
+    tune = TuneOptions(drafters=drafters, draft_model=args.draft_model,
+                       k_values=tuple(parse_int_list(args.k_values, "--k-values")),
+                       prompts=args.prompts)
+    return bench_options(args, tune=tune)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """A short calibration run over drafters and k; prints the table and the pick."""
     import io
@@ -94,8 +112,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     out, err = sys.stdout, sys.stderr
     start = time.perf_counter()
-    plan = plan_tune(args, err)
-    runner = bench_plan.make_runner(args, plan, args.max_tokens)
+    options = options_of(args)
+    plan = plan_tune(options, err)
+    runner = bench_plan.make_runner(options, plan, bench_plan.default_max_tokens(options))
     outcome = bench_plan.execute(runner, plan, io.StringIO())
     header = outcome.analysis.results.header
     print(f"specdecode tune: {header.model.name} ({header.model.precision}) on "
