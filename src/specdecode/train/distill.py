@@ -22,10 +22,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
-import argparse
 import math
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -336,56 +333,3 @@ def model_card(target: Any, target_name: str, corpus: dict[str, Any], cfg: Disti
         "heldout_kl_before": before["kl"], "heldout_kl": after["kl"],
         "config": asdict(cfg), "history": history, "recipe": recipe,
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
-
-def add_draft_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.train.args import add_train_args
-
-    add_train_args(p, DEFAULT_OUT)
-    d = DistillConfig()
-    p.add_argument("--layers", type=int, default=d.layers,
-                   help=f"draft blocks (default {d.layers})")
-    p.add_argument("--init", default=d.init,
-                   help="spaced | first: start from evenly spaced blocks of the target (first and "
-                        f"last included) or its first blocks (default {d.init})")
-    p.add_argument("--vocab", type=int, default=d.vocab,
-                   help="tokens the draft's head scores, the lowest ids; 0 = all "
-                        f"(default {d.vocab})")
-    p.add_argument("--loss", default=d.loss, help=f"fkl | tvd (default {d.loss})")
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--corpus-tokens", type=int, default=d.corpus_tokens,
-                   help=f"training tokens read from the corpus (default {d.corpus_tokens})")
-
-
-def config_from_args(args: argparse.Namespace) -> DistillConfig:
-    d = DistillConfig()
-    return DistillConfig(
-        layers=args.layers, init=args.init, vocab=args.vocab, loss=args.loss,
-        steps=args.steps if args.steps is not None else d.steps, batch=args.batch,
-        seq_len=args.seq_len, lr=args.lr, seed=args.seed, corpus_tokens=args.corpus_tokens,
-    )
-
-
-def cmd_train_draft(args: argparse.Namespace) -> int:
-    from specdecode.models.backends import load_model
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = config_from_args(args)
-    cfg.check()
-    loaded = load_model(args.model)
-    out = Path(args.out)
-    recipe = shlex.join(["specdecode", *sys.argv[1:]])
-    card = distill(loaded.model, loaded.tokenizer, args.corpus, cfg, out, resume=args.resume,
-                   target_name=loaded.name, recipe=recipe)
-    print(f"held-out alpha {card['heldout_alpha_before']:.3f} -> {card['heldout_alpha']:.3f}, "
-          f"agreement {card['heldout_agreement_before']:.3f} -> {card['heldout_agreement']:.3f} "
-          f"({card['train_seconds']:.0f} s); draft written to {out}")
-    return 0

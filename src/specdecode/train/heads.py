@@ -19,10 +19,8 @@ Recipe (after EAGLE, Li et al. 2024):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import shlex
 import shutil
 import sys
 import time
@@ -38,7 +36,6 @@ from specdecode.drafters.heads import WEIGHTS_FILE, FeatureDrafterModel
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cards import atomic_save_tensors, weights_sha256, write_model_card
 from specdecode.models.llama import LlamaModel
-from specdecode.models.precision import REFERENCE, speculative_names
 from specdecode.train.checkpoint import (
     latest_checkpoint,
     load_optimizer_state,
@@ -370,55 +367,3 @@ def write_heads(out_dir: Path, model: FeatureDrafterModel, card: dict[str, Any])
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_save_tensors(out_dir / WEIGHTS_FILE, state)
     write_model_card(out_dir, card, "Heads (EAGLE-style feature drafter)", CARD_NOTES)
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
-
-def add_heads_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.train.args import add_train_args
-
-    add_train_args(p, "runs/heads")
-    d = HeadsTrainConfig()
-    p.add_argument("--tokens", type=int, default=d.train_tokens,
-                   help=f"training tokens (target features extracted once; default "
-                        f"{d.train_tokens})")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
-                   help="size of the draft's vocabulary: the most frequent corpus tokens")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    p.add_argument("--precision", default=REFERENCE.name,
-                   help="the target's precision the heads draft for "
-                        f"({', '.join(speculative_names())}: its features and its head; heads "
-                        "are refused on any other)")
-
-
-def cmd_train_heads(args: argparse.Namespace) -> int:
-    from specdecode.models.backends import NATIVE, load_model
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    d = HeadsTrainConfig()
-    cfg = dataclasses.replace(
-        d, steps=args.steps or d.steps, train_tokens=args.tokens, seq_len=args.seq_len,
-        batch=args.batch, lr=args.lr, draft_vocab=args.draft_vocab,
-        checkpoint_every=args.checkpoint_every, seed=args.seed)
-    loaded = load_model(args.model, args.precision, NATIVE.name)
-    recipe = "specdecode " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train"] else \
-        "specdecode train heads " + shlex.join(_argv_of(args))
-    result = train_heads(loaded, args.corpus, cfg, Path(args.out), args.resume, True, recipe)
-    alpha = ", ".join(f"{a:.3f}" for a in result.alpha["agreement"])
-    before = ", ".join(f"{a:.3f}" for a in result.alpha_untrained["agreement"])
-    print(f"heads written to {result.out_dir}: {result.steps} steps in {result.seconds:.0f} s; "
-          f"held-out alpha per position {alpha} (untrained {before})")
-    return 0
-
-
-def _argv_of(args: argparse.Namespace) -> list[str]:
-    out = [f"--steps={args.steps}", f"--out={args.out}", f"--seed={args.seed}",
-           f"--precision={args.precision}"]
-    return out + [f"--corpus={c}" for c in args.corpus or []]
