@@ -63,6 +63,9 @@
 #if SD_ISA == 3
 #define QROWS_MAX 12 /* a8: rows sharing one pass over a panel */
 #define QNP_MAX 8
+#elif SD_ISA == 2
+#define QROWS_MAX 4 /* two ymm of sums per row: the other registers hold weights */
+#define QNP_MAX 4
 #else
 #define QROWS_MAX 6
 #define QNP_MAX 4
@@ -353,7 +356,7 @@ SD_INLINE void panel_buffered(const float *x, int64_t ldx, const float *xs, int6
 #define OUT_NP (NPMAX > QNP_MAX ? NPMAX : QNP_MAX)
 
 /* a8 panels per call for M rows: one row keeps several panels' sums in flight. */
-static int qpanels_per_call(int64_t M) { return M == 1 ? QNP_MAX : M <= 4 ? 2 : 1; }
+static int qpanels_per_call(int64_t M) { return M == 1 ? QNP_MAX : SD_ISA == 3 ? 2 : 1; }
 
 /* Panels per call for M rows (how many one register block holds). */
 static int panels_per_call(int64_t M) {
@@ -523,6 +526,7 @@ static void quantize_rows(const float *x, int64_t M, const sd_mat *m, const sd_q
 typedef __m512 yv16;
 SD_INLINE yv16 y_zero(void) { return _mm512_setzero_ps(); }
 SD_INLINE void y_store(float *p, yv16 v) { _mm512_storeu_ps(p, v); }
+SD_INLINE yv16 y_load(const float *p) { return _mm512_loadu_ps(p); }
 typedef __m512i i16v;
 SD_INLINE i16v i_zero(void) { return _mm512_setzero_si512(); }
 /* a quad of inputs (4 codes per column, 64 bytes) against one row's 4 int8 codes */
@@ -557,6 +561,7 @@ SD_INLINE yv16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, cons
 typedef v16 yv16;
 SD_INLINE yv16 y_zero(void) { return v_zero(); }
 SD_INLINE void y_store(float *p, yv16 v) { v_store(p, v); }
+SD_INLINE yv16 y_load(const float *p) { return v_load(p); }
 typedef struct { __m256i a, b; } i16v;
 SD_INLINE i16v i_zero(void) { i16v r = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return r; }
 SD_INLINE __m256i dot4_half(__m256i acc, __m256i w, __m256i xv, int signed_w) {
@@ -608,6 +613,7 @@ SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const
 typedef v16 yv16;
 SD_INLINE yv16 y_zero(void) { return v_zero(); }
 SD_INLINE void y_store(float *p, yv16 v) { v_store(p, v); }
+SD_INLINE yv16 y_load(const float *p) { return v_load(p); }
 typedef struct { int32_t v[PANEL]; } i16v;
 typedef struct { uint8_t b[64]; } q64;
 SD_INLINE i16v i_zero(void) { i16v r; memset(&r, 0, sizeof r); return r; }
@@ -647,18 +653,18 @@ SD_INLINE int32_t group_correction(const sd_mat *m, int kind, const int32_t *s16
     return m->offset * s;
 }
 
-/* R rows against NP panels of an a8 kind; out[j][r] receives panel p + j's row r. */
+/* R rows against NP panels of an a8 kind; out[j][r] receives panel p + j's row r (its sums
+ * wait there between groups: the registers hold the integer sums of one group). */
 SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
                            int NP, int R, float out[][CHUNK][PANEL]) {
-    int64_t K = m->k, G = m->group, NG = K / G;
+    int64_t K = m->k, G = m->group, NG = K / G, orow = r0 % CHUNK;
 #if SD_ISA == 3 && SD_VNNI
     const int signed_w = 0;
 #else
     const int signed_w = kind == KIND_Q8 && m->offset == 128;
 #endif
-    yv16 y[QROWS_MAX][QNP_MAX];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NP; j++) y[r][j] = y_zero();
+    for (int j = 0; j < NP; j++)
+        for (int r = 0; r < R; r++) memset(out[j][orow + r], 0, sizeof(float) * PANEL);
     const uint8_t *w = (const uint8_t *)m->w;
 #ifdef SD_BROKEN_WIDTH
     for (int64_t g = R > 1 ? NG - 1 : 0; R > 1 ? g >= 0 : g < NG; g += R > 1 ? -1 : 1) {
@@ -701,21 +707,21 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
             float xs = qr->xs ? qr->xs[row * NG + g] : 0.0f;
             for (int j = 0; j < NP; j++) {
                 int64_t at = ((p + j) * NG + g) * PANEL;
-                y[r][j] = i_fold(acc[r][j], corr, dx, m->scale + at, m->zero ? m->zero + at : NULL,
-                                 xs, y[r][j]);
+                float *yp = out[j][orow + r];
+                y_store(yp, i_fold(acc[r][j], corr, dx, m->scale + at,
+                                   m->zero ? m->zero + at : NULL, xs, y_load(yp)));
             }
         }
     }
-    for (int j = 0; j < NP; j++)
-        for (int r = 0; r < R; r++) y_store(out[j][r0 - (r0 / CHUNK) * CHUNK + r], y[r][j]);
 }
 
 #define QROWS(NP, R) qpanel_rows(qr, r0, m, kind, p, NP, R, out)
 
-/* Panels p..p+np-1 for rows m0..m0+M-1 (M <= CHUNK) of an a8 kind, in register blocks. */
+/* Panels p..p+np-1 for rows m0..m0+M-1 (M <= CHUNK) of an a8 kind, in register blocks: one
+ * row against up to QNP_MAX panels, or blocks of up to QROWS_MAX rows against np panels. */
 SD_INLINE void qchunk_of_kind(const sd_qrows *qr, int64_t m0, const sd_mat *m, int kind,
                               int64_t p, int np, int64_t M, float out[][CHUNK][PANEL]) {
-    if (M == 1 && np > 1) {
+    if (M == 1) {
         int64_t r0 = m0;
         switch (np) {
 #if QNP_MAX > 4
@@ -726,33 +732,38 @@ SD_INLINE void qchunk_of_kind(const sd_qrows *qr, int64_t m0, const sd_mat *m, i
 #endif
         case 4: QROWS(4, 1); return;
         case 3: QROWS(3, 1); return;
-        default: QROWS(2, 1); return;
+        case 2: QROWS(2, 1); return;
+        default: QROWS(1, 1); return;
         }
     }
-    for (int64_t j = 0; j < np; j++)
-        for (int64_t r0 = m0; r0 < m0 + M; r0 += QROWS_MAX) {
-            int R = m0 + M - r0 >= QROWS_MAX ? QROWS_MAX : (int)(m0 + M - r0);
-            int64_t pj = p + j;
-            float (*oj)[CHUNK][PANEL] = out + j;
-#define QROW1(RR) qpanel_rows(qr, r0, m, kind, pj, 1, RR, oj)
-            switch (R) {
-#if QROWS_MAX > 6
-            case 12: QROW1(12); break;
-            case 11: QROW1(11); break;
-            case 10: QROW1(10); break;
-            case 9: QROW1(9); break;
-            case 8: QROW1(8); break;
-            case 7: QROW1(7); break;
-#endif
-            case 6: QROW1(6); break;
-            case 5: QROW1(5); break;
-            case 4: QROW1(4); break;
-            case 3: QROW1(3); break;
-            case 2: QROW1(2); break;
-            default: QROW1(1); break;
-            }
-#undef QROW1
+    for (int64_t r0 = m0; r0 < m0 + M; r0 += QROWS_MAX) {
+        int R = m0 + M - r0 >= QROWS_MAX ? QROWS_MAX : (int)(m0 + M - r0);
+#define QROWN(NP) \
+        switch (R) { \
+        QROWS_CASES(NP) \
+        case 6: QROWS(NP, 6); break; \
+        case 5: QROWS(NP, 5); break; \
+        case 4: QROWS(NP, 4); break; \
+        case 3: QROWS(NP, 3); break; \
+        case 2: QROWS(NP, 2); break; \
+        default: QROWS(NP, 1); break; \
         }
+#if QROWS_MAX > 6
+#define QROWS_CASES(NP) \
+        case 12: QROWS(NP, 12); break; \
+        case 11: QROWS(NP, 11); break; \
+        case 10: QROWS(NP, 10); break; \
+        case 9: QROWS(NP, 9); break; \
+        case 8: QROWS(NP, 8); break; \
+        case 7: QROWS(NP, 7); break;
+#else
+#define QROWS_CASES(NP)
+#endif
+        if (np == 2) { QROWN(2) }
+        else { QROWN(1) }
+#undef QROWN
+#undef QROWS_CASES
+    }
 }
 
 static void qpanel_chunk(const sd_qrows *qr, int64_t m0, const sd_mat *m, int64_t p, int np,
