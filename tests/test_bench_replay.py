@@ -267,6 +267,20 @@ def test_a_recording_made_with_another_model_is_noted(ckpt: Path, tmp_path: Path
     assert "tokenizer or chat template differs" in notes[0]
     assert recording_notes([{**other, "weights": "a" * 64}], "ck", "a" * 64, "e" * 64) == []
     assert "measured on big" in recording_notes([{"id": "small"}], "big", None, None)[0]
+    rec = recording(tmp_path / "rec.jsonl", [0.0, 0.5], tokens=4)
+    lines = rec.read_text().splitlines()
+    lines[0] = json.dumps({"specdecode_recording": 1, "session": "s1", "model": other})
+    rec.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    code, stdout, err = run(["bench", "--model", str(ckpt), "--workload", str(rec), "--out",
+                             str(out), "--quiet", "--threads", "1", "--resamples", "100",
+                             "--configs", "plain"])
+    assert code == 0, err
+    assert "tokenizer or chat template differs" in err and "workload note: recorded with ck," \
+        in stdout
+    header = json.loads((out / "report.json").read_text())["header"]
+    assert any("tokenizer" in n for n in header["workload"]["notes"])
+    assert "tokenizer or chat template differs" in (out / "report.html").read_text()
 
 
 def loaded_tiny(ckpt: Path) -> LoadedModel:
@@ -312,3 +326,25 @@ def test_http_replay_against_a_server(ckpt: Path, tmp_path: Path) -> None:
     traffic = report["traffic"]["configs"][0]
     assert traffic["measured_rate"] == pytest.approx(traffic["scheduled_rate"], rel=0.25)
     assert "2x speed" in stdout
+
+
+def test_goodput_in_closed_loop_and_under_a_new_slo_on_resume(ckpt: Path,
+                                                               tmp_path: Path) -> None:
+    """--slo works in closed loop; --resume of a finished run re-reports under another SLO
+    without measuring anything again (broken variant: the SLO ignored, all requests met)."""
+    work = tmp_path / "w.jsonl"
+    work.write_text("".join(json.dumps({"prompt": f"t{5 + i} t6 t7", "category": "c"}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(ckpt), "--workload", str(work), "--out", str(out),
+            "--quiet", "--threads", "1", "--resamples", "100", "--configs", "plain",
+            "--max-tokens", "6"]
+    code, stdout, err = run([*argv, "--slo", "ttft=30"])
+    assert code == 0, err
+    goodput = json.loads((out / "report.json").read_text())["traffic"]["configs"][0]["goodput"]
+    assert goodput["met"] == goodput["requests"] == 3 and "closed loop" in stdout
+    code, stdout, err = run([*argv, "--resume", "--slo", "ttft=0.000001"])
+    assert code == 0, err
+    assert "0 requests measured (3 resumed)" in stdout
+    goodput = json.loads((out / "report.json").read_text())["traffic"]["configs"][0]["goodput"]
+    assert goodput["met"] == 0 and goodput["requests"] == 3

@@ -51,6 +51,7 @@ from specdecode.bench.records import (
     RunHeader,
 )
 from specdecode.bench.report_html import write_html
+from specdecode.bench.requests import notes_for
 from specdecode.bench.runner import Runner, RunnerDescription
 from specdecode.bench.store import (
     REPORT_HTML,
@@ -274,8 +275,9 @@ def finish(results_path: Path, options: RunOptions, measured: int, resumed: int
         "analysis": analysis.to_dict(), "recommendation": rec.to_dict(),
         "load": load.to_dict(), "traffic": flow.to_dict() if flow else None}))
     write_html(report_html, analysis, rec, html_context(flow))
+    notes = [f"workload note: {n}" for n in results.header.workload.get("notes", [])]
     summary = render_summary(analysis, rec, str(report_html),
-                             traffic_lines(flow) if flow else [])
+                             notes + (traffic_lines(flow) if flow else []))
     return BenchOutcome(results_path, report_json, report_html, analysis, rec, summary,
                         measured, resumed)
 
@@ -292,7 +294,12 @@ def run_bench(
     out = out if out is not None else sys.stdout
     preflight(options.out_dir, options.resume)
     validate_configs(configs)
-    header = make_header(runner.describe(), workload, configs, options.seed)
+    description = runner.describe()
+    header = make_header(description, workload, configs, options.seed)
+    mismatch = notes_for(workload.recorded_with, dict(description))  # another model's traffic
+    for note in mismatch:
+        print(f"specdecode: note: {workload.path}: {note}", file=sys.stderr)
+    header.workload["notes"] = [*header.workload.get("notes", []), *mismatch]
     if options.arrivals.open_loop:  # how the requests arrived: resume refuses another way
         header.workload["arrivals"] = {**dataclasses.asdict(options.arrivals),
                                        "window_s": None if math.isinf(options.replay_window_s)

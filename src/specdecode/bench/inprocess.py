@@ -81,6 +81,7 @@ from specdecode.models.loading import LoadedModel, file_digest
 from specdecode.models.target import Cache, Target
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
+from specdecode.server.record import tokenizer_digest
 from specdecode.version import __version__
 
 DEFAULT_CAPACITY = 2048  # tokens of one request's context when `fit_capacity` was not called
@@ -430,7 +431,9 @@ class InProcessRunner:
                         "chat_template": self.chat and
                         self.loaded.tokenizer.chat_template is not None,
                         "default_max_tokens": self.default_max_tokens,
-                        "max_tokens_cap": self.max_tokens_cap},
+                        "max_tokens_cap": self.max_tokens_cap,
+                        # a recording made with another tokenizer is noted (bench.requests)
+                        "tokenizer_sha256": tokenizer_digest(self.loaded.tokenizer)},
         }
 
     # ------------------------------------------------------------------ preparing configs

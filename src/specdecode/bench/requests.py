@@ -299,3 +299,17 @@ def recording_notes(models: list[dict[str, Any]], name: str, weights: str | None
                 model.get("name") != name:
             notes.append(f"{said}, measured on {name}")
     return notes
+
+
+def notes_for(recorded_with: list[dict[str, Any]], description: dict[str, Any]) -> list[str]:
+    """`recording_notes` for a run's target, from its runner's description (in process: the
+    weights' and the tokenizer's sha256; over HTTP: the served model ids)."""
+    weights = str(description.get("weight_hash", ""))
+    details = description.get("details") or {}
+    tokenizer = details.get("tokenizer_sha256") if isinstance(details, dict) else None
+    names = str(description.get("model_name", "")).split(" | ")
+    if not recorded_with:
+        return []
+    return [note for name in names for note in recording_notes(
+        recorded_with, name, weights if len(weights) == 64 else None,
+        tokenizer if isinstance(tokenizer, str) else None)]
