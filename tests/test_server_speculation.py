@@ -205,3 +205,47 @@ def _series(text: str, name: str) -> dict[str, float]:
             out[labels] = float(value)
     return {k.split('reason="')[1].split('"')[0] if "reason=" in k else k: v
             for k, v in out.items()}
+
+
+def test_a_calibration_report_for_another_target_is_stale_at_start(
+        tiny: LoadedModel, tmp_path: Path) -> None:  # noqa: F811
+    """serve --calibration REPORT whose target is another (weights) and which recommended
+    another drafter: both reasons in /v1/speculation, its warnings and the gauge (broken
+    variant: the report read but not compared would leave every reason at 0)."""
+    report = {"header": {"model": {"name": "tiny", "precision": tiny.precision,
+                                   "weight_hash": "f" * 64}},
+              "recommendation": {"enable": True, "drafter": "ngram", "k": 4}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    with serving(tiny, drafter="none", calibration=path) as (srv, _):
+        summary = httpx.get(f"{srv.url}/v1/speculation", timeout=10).json()
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    assert set(summary["calibration"]["stale"]) == {"target", "drafter"}
+    assert any("re-measure" in w for w in summary["warnings"])
+    stale = _series(text, "spec_decode_calibration_stale")
+    assert stale["target"] == stale["drafter"] == 1.0 and stale["precision"] == 0.0
+
+
+def test_serve_flags_are_checked_before_the_model_loads(tmp_path: Path) -> None:
+    import argparse
+
+    from specdecode.cli.serve import options_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    def options(*argv: str) -> Any:
+        return options_from_args(parser.parse_args(["serve", *argv]))
+
+    got = options("--api-key", "team-a=k1", "--api-key", "k2", "--record",
+                  str(tmp_path / "r.jsonl"), "--record-outputs", "--record-max-mib", "1")
+    assert [(k.label, k.key) for k in got.api_keys] == [("team-a", "k1"), (None, "k2")]
+    assert got.record.outputs and got.record.max_bytes == 2**20
+    for argv, words in ((["--record-outputs"], "needs --record"),
+                        (["--record", str(tmp_path / "no" / "r.jsonl")], "cannot write"),
+                        (["--record", str(tmp_path / "r"), "--record-max-mib", "inf"], "finite"),
+                        (["--api-key", "a=k", "--api-key", "b=k"], "twice"),
+                        (["--speculation-window", "0"], "speculation-window"),
+                        (["--calibration", str(tmp_path / "missing.json")], "cannot read")):
+        with pytest.raises(SpecDecodeError, match=words):
+            options(*argv)
