@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tqdm import tqdm
 
@@ -66,6 +66,7 @@ class Window:
     requests: tuple[Scheduled, ...]
 
 
+@runtime_checkable
 class Replayer(Protocol):
     """A runner that replays open loop (bench.inprocess, bench.http_runner)."""
 
@@ -193,7 +194,7 @@ def measure_replay(runner: object, store: ResultStore, workload: Workload,
                    | None = None) -> int:
     """Replay the workload open loop under every configuration (see the module docstring);
     returns the samples written."""
-    if not hasattr(runner, "replay"):
+    if not isinstance(runner, Replayer):
         raise SpecDecodeError(f"{arrival.describe()}: this runner cannot replay open loop "
                               "(in process or --endpoint only; not --targets)")
     tasks, block = plan(workload, configs, arrival, seed, window_s)
@@ -206,7 +207,6 @@ def measure_replay(runner: object, store: ResultStore, workload: Workload,
     with tqdm(total=len(tasks), unit="window", disable=not progress, file=sys.stderr) as bar:
         for window, config in tasks:
             bar.set_postfix_str(f"{config.name} max batch {config.batch_size}")
-            written += replay_window(runner, store, window, config, block,  # type: ignore[arg-type]
-                                     placed, probe)
+            written += replay_window(runner, store, window, config, block, placed, probe)
             bar.update(1)
     return written
