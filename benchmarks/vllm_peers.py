@@ -9,7 +9,7 @@ For one group of servers (all running at once: `bench --endpoint` interleaves th
 prompts; on a 24 GiB machine three vLLM servers fit beside other work, so the configurations are
 measured in groups, each with vLLM plain as its baseline):
 
-1. starts them: vLLM configurations of integrations.vllm_server.CONFIGS by name, and `own`, this
+1. starts them: vLLM configurations of scripts/vllm_server.py's CONFIGS by name, and `own`, this
    project's server (`specdecode serve --drafter ngram --k auto`, the checkpoint precision);
    each with --threads threads (OMP_NUM_THREADS), vLLM with a 256 MiB KV cache; `distilled` is
    vLLM's draft_model with this project's distilled draft (exported on first use);
@@ -36,7 +36,9 @@ from pathlib import Path
 import httpx
 
 from specdecode.cli import main as specdecode_main
-from specdecode.integrations.vllm_server import CONFIGS, Launch, Server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: its scripts/
+from scripts.vllm_server import CONFIGS, Launch, Server
 
 SPECBENCH = "/work/shared/data/specbench/question.jsonl"
 CATEGORIES = "summarization,rag,coding,writing"

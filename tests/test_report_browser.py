@@ -1,6 +1,6 @@
 """The report as a person sees it: report.html of a real `specdecode bench` run (a tiny random
 checkpoint, the CLI in process), rendered by headless Chromium at 1200 and 800 px
-(`specdecode.bench.browser`). The page must not scroll sideways, every chart must draw at least
+(`scripts/report_browser.py`). The page must not scroll sideways, every chart must draw at least
 two x values, and no chart text may be clipped; full-page screenshots of both widths are kept in
 the run folder (screenshots/report-<width>.png; with SPECDECODE_BROWSER_ARTIFACTS=DIR, copied
 there with the report). Broken variants (the old 20-column summary table, a chart of one batch
@@ -24,9 +24,9 @@ import pytest
 import torch
 from markupsafe import Markup
 
+from scripts.report_browser import INSTALL, PageCheck, check_report, find_chromium, main
 from specdecode.bench import report_html, svg
 from specdecode.bench.analysis import analyze
-from specdecode.bench.browser import INSTALL, PageCheck, check_report, find_chromium, main
 from specdecode.bench.recommend import recommend
 from specdecode.bench.report_html import Column
 from specdecode.bench.store import read_results

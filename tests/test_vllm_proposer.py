@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from scripts.vllm_server import CONFIGS, Launch, speculative_config
 from specdecode.errors import SpecDecodeError
 from specdecode.integrations import vllm as vllm_integration
 from specdecode.integrations.vllm import (
@@ -34,7 +35,6 @@ from specdecode.integrations.vllm import (
     suffix_mib,
     token_budget,
 )
-from specdecode.integrations.vllm_server import CONFIGS, Launch, speculative_config
 
 MAX_LEN = 1024
 
@@ -405,7 +405,7 @@ def test_the_launcher_refuses_a_custom_class_config_on_a_vllm_that_cannot_run_it
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before vLLM starts (a minute of loading), not in its log: the venv's vLLM version is
     read from its metadata; plain and vLLM's own methods still launch."""
-    from specdecode.integrations.vllm_server import installed_vllm, main
+    from scripts.vllm_server import installed_vllm, main
 
     monkeypatch.delenv(vllm_integration.UNTESTED_ENV, raising=False)
     venv = _venv_with_vllm(tmp_path / "new", "0.45.0")

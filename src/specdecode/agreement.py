@@ -9,13 +9,11 @@ KL(p_fp32 || p_candidate) in nats, averaged over positions.
 Free-running greedy agreement (how many generated tokens match) is lower than top-1 agreement:
 one disagreement sends the two continuations apart for good.
 
-    python -m specdecode.agreement [--model PATH] [--precisions bf16,int8,w8a16,w4a16] [--chunk 8]
+`python scripts/agreement.py` prints each precision's agreement with fp32 on a model.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -102,12 +100,17 @@ def agreement(
 
 
 def precision_agreement(
-    model: Any, tokenizer: Any, precisions: Sequence[str] = ("bf16", "int8", "w8a16", "w4a16"),
+    model: Any, tokenizer: Any, precisions: Sequence[str] | None = None,
     text: str = BUILTIN_TEXT, chunk: int = 8,
 ) -> list[Agreement]:
-    """Each precision's agreement with `model` (an fp32 native runner) on `text`."""
-    from specdecode.models.precision import apply_precision
+    """Each precision's agreement with `model` (an fp32 native runner) on `text`; default:
+    every native precision but the reference that this build and CPU can run (their records,
+    models.precision)."""
+    from specdecode.models.precision import NATIVE, apply_precision, of_backend
 
+    if precisions is None:
+        precisions = [p.name for p in of_backend(NATIVE) if not p.reference
+                      and p.missing() is None]
     ids = tokenizer.encode(text)
     ref = teacher_forced_logits(model, ids, chunk)
     results = []
@@ -116,29 +119,3 @@ def precision_agreement(
         top1, mean_kl, max_kl = compare_logits(ref, teacher_forced_logits(candidate, ids, chunk))
         results.append(Agreement(precision, len(ids), top1, mean_kl, max_kl, chunk))
     return results
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from specdecode.models.backends import NATIVE, load_model
-    from specdecode.models.precision import REFERENCE
-
-    p = argparse.ArgumentParser(prog="python -m specdecode.agreement", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--precisions", default="bf16,int8,w8a16,w4a16")
-    p.add_argument("--chunk", type=int, default=8)
-    args = p.parse_args(argv)
-    loaded = load_model(args.model, REFERENCE.name, NATIVE.name)
-    start = time.perf_counter()
-    rows = precision_agreement(loaded.model, loaded.tokenizer, args.precisions.split(","),
-                               chunk=args.chunk)
-    print(f"# agreement with fp32, {loaded.name}, teacher forced, {rows[0].positions} positions "
-          f"in blocks of {args.chunk} ({time.perf_counter() - start:.0f} s)")
-    print("precision  top-1 agreement  mean KL (nats)  max KL")
-    for r in rows:
-        print(f"{r.precision:9s}  {r.top1:15.4f}  {r.mean_kl:14.5f}  {r.max_kl:6.3f}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

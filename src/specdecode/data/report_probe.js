@@ -1,4 +1,4 @@
-// The report as a person sees it: injected into a copy of report.html by specdecode.bench.browser,
+// The report as a person sees it: injected into a copy of report.html by scripts/report_browser.py,
 // run after layout in headless Chromium; writes its findings as JSON into a pre element appended
 // to the body (id specdecode-probe).
 (function () {

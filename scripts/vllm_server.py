@@ -2,9 +2,9 @@
 venv that scripts/install_vllm.sh made (vLLM's pins conflict with this package's extras, so it
 lives in a venv of its own; this module runs in either).
 
-    python -m specdecode.integrations.vllm_server ngram --port 8102      # serves until Ctrl-C
-    python -m specdecode.integrations.vllm_server lookup --print-command # the command line only
-    python -m specdecode.integrations.vllm_server --print-model          # the HF folder
+    python scripts/vllm_server.py ngram --port 8102      # serves until Ctrl-C
+    python scripts/vllm_server.py lookup --print-command # the command line only
+    python scripts/vllm_server.py --print-model          # the HF folder
 
 Configurations (`CONFIGS`): `plain`; vLLM's own `ngram` (the lookup the issue tried: 4 tokens,
 matches of 2 to 4) and `suffix` (Arctic Inference's suffix tree; scripts/install_vllm.sh builds
@@ -41,7 +41,7 @@ import httpx
 from specdecode.errors import SpecDecodeError
 
 VENV_ENV = "SPECDECODE_VLLM_VENV"
-SRC = Path(__file__).resolve().parents[2]  # the folder holding this `specdecode` package
+SRC = Path(__file__).resolve().parents[1] / "src"  # the folder holding the `specdecode` package
 INSTALL_HINT = "run `bash scripts/install_vllm.sh` (or set $SPECDECODE_VLLM_VENV to its venv)"
 MODEL_NAME = "smollm2"
 DISTILLED = "<the distilled draft's HF export>"  # filled in by speculative_config
@@ -222,7 +222,7 @@ class Server:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdecode.integrations.vllm_server",
+    parser = argparse.ArgumentParser(prog="python scripts/vllm_server.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", default="plain",
                         help=f"{' | '.join(CONFIGS)} | a --speculative-config JSON object")
