@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from specdecode.bench.analysis import self_repeat
 from specdecode.bench.hardware import machine_summary
 from specdecode.bench.workloads import Prompt, load_default_workload, load_workload
 from specdecode.calibration import calibrated_costs
@@ -44,6 +43,7 @@ from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.backends import load_model
+from specdecode.report.analysis import self_repeat
 from specdecode.sampling import SamplingParams
 
 SPECBENCH = Path(__file__).resolve().parents[2] / "shared/data/specbench/question.jsonl"

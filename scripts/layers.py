@@ -78,7 +78,10 @@ LAYERS: tuple[Layer, ...] = (
         ("train", "heads and distilled drafts, their corpora and checkpoints"),
     )),
     Layer("measuring and serving", "what runs the loop for a user's workload or traffic", (
-        ("bench", "the benchmark: plans, runners, harness, analysis, reports"),
+        ("bench", "the benchmark's measuring: options, plans, workloads, runners in process "
+                  "and over HTTP, the harness, the results file"),
+        ("report", "the benchmark's reporting: analysis, recommendation, summary, the HTML "
+                   "report and its figures"),
         ("server", "the OpenAI-compatible server"),
         ("integrations", "this project's drafters inside vLLM"),
     )),

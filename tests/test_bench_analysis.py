@@ -8,7 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from specdecode.bench.analysis import (
+from specdecode.bench.harness import make_header
+from specdecode.bench.records import ConfigSpec, CostCurve, RequestSample
+from specdecode.bench.store import Results
+from specdecode.report.analysis import (
     _base_summary,
     acceptance,
     analyze,
@@ -26,9 +29,6 @@ from specdecode.bench.analysis import (
     tpot,
     wall_time,
 )
-from specdecode.bench.harness import make_header
-from specdecode.bench.records import ConfigSpec, CostCurve, RequestSample
-from specdecode.bench.store import Results
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 
@@ -262,7 +262,7 @@ def test_speedup_after_the_first_token_leaves_the_prefill_out() -> None:
 def test_token_identity_pairs_greedy_and_seeded_invariant_requests_only() -> None:
     """Greedy requests, and sampled ones with the same seed under the invariant rule, must give
     plain decoding's tokens; residual-rule or unseeded sampled requests are not compared."""
-    from specdecode.bench.analysis import token_identity_audit
+    from specdecode.report.analysis import token_identity_audit
 
     base, spec = plain(), ngram()
     hot = {"temperature": 0.7, "rule": "invariant", "seed": 5}
@@ -286,8 +286,8 @@ def test_remote_outputs_are_compared_and_searched_by_their_text() -> None:
     servers may count one text's tokens differently (vLLM's usage counts the end-of-sequence
     token), so identity compares texts, and a loop is searched in the text, not in n copies of
     one CRC."""
-    from specdecode.bench.analysis import loops, token_identity_audit
     from specdecode.bench.records import text_ids
+    from specdecode.report.analysis import loops, token_identity_audit
 
     def remote(text: str, tokens: int, config: str = "plain", pid: str = "p") -> RequestSample:
         return sample(pid, tokens=tokens, config=config, text=text,
@@ -331,7 +331,7 @@ def test_predicted_speedup_counts_the_measured_step_overhead() -> None:
     forward plus 4 ms besides, emitting 2 tokens per step: measured speedup 2 * 10 / 13.6 =
     1.47x. The cost curve (v(k) = 1.2 relative to the forward, c = 0) alone predicts 2 / 1.2 =
     1.67x; with the in-run overhead the prediction is within 10% of what was measured."""
-    from specdecode.bench.analysis import predicted_speedup, with_overhead
+    from specdecode.report.analysis import predicted_speedup, with_overhead
 
     def run(config: str, steps: int, step_s: float, forward_s: float) -> RequestSample:
         tokens = steps * (2 if config != "plain" else 1) + 1

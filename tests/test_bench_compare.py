@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specdecode.bench.compare import compare
 from specdecode.bench.records import ConfigSpec
 from specdecode.bench.store import Results, build_report
+from specdecode.report.compare import compare
 from tests.fakes import FakeRunner, ngram, plain
 from tests.test_bench_recommend import measure
 

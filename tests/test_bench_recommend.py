@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from specdecode.bench.analysis import analyze, self_repeat
 from specdecode.bench.harness import config_grid, make_header
-from specdecode.bench.recommend import recommend, vllm_speculative_config
 from specdecode.bench.records import ConfigSpec
 from specdecode.bench.store import Results
+from specdecode.report.analysis import analyze, self_repeat
+from specdecode.report.recommend import recommend, vllm_speculative_config
 from tests.fakes import FakeRunner, linear_v, make_prompts, ngram, plain, workload_of
 
 

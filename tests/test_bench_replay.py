@@ -1,4 +1,4 @@
-"""Open-loop replay (bench.arrivals, bench.openloop, bench.traffic): arrival schedules, windows,
+"""Open-loop replay (bench.arrivals, bench.openloop, report.traffic): arrival schedules, windows,
 the in-process and HTTP replays on a tiny model (requests start when due, queue when the rows
 are full, and say so), the traffic report, goodput at an SLO, resume, and bad input."""
 
@@ -17,11 +17,11 @@ import torch
 from specdecode.bench.arrivals import Arrivals, offsets, parse_arrivals
 from specdecode.bench.openloop import blocks, make_windows
 from specdecode.bench.records import ReplayRecord, RequestSample
-from specdecode.bench.traffic import Slo, batch_distribution, parse_slo, rates
 from specdecode.bench.workloads import Prompt
 from specdecode.errors import SpecDecodeError
 from specdecode.models import backends
 from specdecode.models.loading import LoadedModel
+from specdecode.report.traffic import Slo, batch_distribution, parse_slo, rates
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
 

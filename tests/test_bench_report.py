@@ -12,26 +12,19 @@ from pathlib import Path
 import pytest
 from markupsafe import Markup
 
-from specdecode.bench.analysis import analyze, arrival_slices, warmup_summary
 from specdecode.bench.harness import RunOptions, make_header, run_bench
-from specdecode.bench.recommend import recommend
 from specdecode.bench.records import AuditVerdict, ConfigSpec, CostCurve, RequestSample
-from specdecode.bench.report_html import (
-    SUMMARY_COLUMNS,
-    audit_command,
-    audit_power,
-    boundary_figures,
-    fmt_bytes,
-    line_figure,
-    render_html,
-    speedup_histograms,
-    warmup_rows,
-)
 from specdecode.bench.store import Results
-from specdecode.bench.summary import render_summary
-from specdecode.bench.svg import Series, nice_ticks
 from specdecode.bench.workloads import Prompt, load_repetitive_workload
 from specdecode.cli import build_parser
+from specdecode.report.analysis import analyze, arrival_slices, warmup_summary
+from specdecode.report.audit import audit_command, audit_power
+from specdecode.report.cells import fmt_bytes
+from specdecode.report.figures import boundary_figures, line_figure, speedup_histograms
+from specdecode.report.html import SUMMARY_COLUMNS, render_html, warmup_rows
+from specdecode.report.recommend import recommend
+from specdecode.report.summary import render_summary
+from specdecode.report.svg import Series, nice_ticks
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 SECTIONS = ("recommendation", "summary", "latency", "acceptance", "speedup", "boundary",
@@ -213,7 +206,7 @@ def test_small_helpers() -> None:
 
 def test_a_config_keeps_its_colour_in_every_chart() -> None:
     """The acceptance chart has no plain line: its colours must not shift against the CDFs."""
-    from specdecode.bench.report_html import acceptance_figures, latency_figures
+    from specdecode.report.figures import acceptance_figures, latency_figures
 
     analysis = analyze(evil_results(), n_resamples=50)
 

@@ -14,17 +14,11 @@ import pytest
 import torch
 
 from specdecode.agreement import teacher_forced_logits
-from specdecode.bench import analysis as analysis_mod
-from specdecode.bench import frontier
-from specdecode.bench.analysis import Analysis, ConfigSummary, analyze
 from specdecode.bench.harness import RunOptions, make_header, run_bench, validate_configs
 from specdecode.bench.options import BenchOptions
 from specdecode.bench.plan import parse_configs
-from specdecode.bench.recommend import recommend
 from specdecode.bench.records import ConfigSpec, CostCurve
-from specdecode.bench.report_html import render_html
 from specdecode.bench.store import Results
-from specdecode.bench.summary import render_summary
 from specdecode.bench.targets import (
     DEFAULT_TARGET_CONFIGS,
     PEER_NAME,
@@ -36,6 +30,12 @@ from specdecode.bench.targets import (
     target_configs,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.report import analysis as analysis_mod
+from specdecode.report import frontier
+from specdecode.report.analysis import Analysis, ConfigSummary, analyze
+from specdecode.report.html import render_html
+from specdecode.report.recommend import recommend
+from specdecode.report.summary import render_summary
 from tests.fakes import FakeTargetsRunner, make_prompts, ngram, plain, workload_of
 
 TARGETS = ["fp32", "bf16", "w4a16"]

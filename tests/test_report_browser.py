@@ -25,11 +25,12 @@ import torch
 from markupsafe import Markup
 
 from scripts.report_browser import INSTALL, PageCheck, check_report, find_chromium, main
-from specdecode.bench import report_html, svg
-from specdecode.bench.analysis import analyze
-from specdecode.bench.recommend import recommend
-from specdecode.bench.report_html import Column
 from specdecode.bench.store import read_results
+from specdecode.report import figures, svg
+from specdecode.report import html as report_html
+from specdecode.report.analysis import analyze
+from specdecode.report.cells import Column
+from specdecode.report.recommend import recommend
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
 
@@ -178,7 +179,7 @@ def test_a_chart_of_one_batch_size_is_caught(run: Path, monkeypatch: pytest.Monk
                      **options: object) -> Markup:
         return Markup(svg.line_chart(series, **options))  # type: ignore[arg-type]
 
-    monkeypatch.setattr(report_html, "line_figure", always_drawn)
+    monkeypatch.setattr(figures, "line_figure", always_drawn)
     problems = problems_at(render_variant(run, "chart"), 800)
     assert 'chart "Speedup vs batch size (95% CI)" draws 1 x value: a chart needs at least ' \
            "two" in problems, problems

@@ -15,12 +15,9 @@ from typing import Any
 
 import pytest
 
-from specdecode.bench.analysis import analyze, structured_summary
 from specdecode.bench.harness import RunOptions, run_bench
 from specdecode.bench.plan import select_workload, structured_lines
-from specdecode.bench.recommend import recommend
 from specdecode.bench.records import ConfigSpec, RequestSample
-from specdecode.bench.report_html import render_html
 from specdecode.bench.workloads import (
     BUILTIN_WORKLOADS,
     Prompt,
@@ -28,6 +25,9 @@ from specdecode.bench.workloads import (
     load_structured_workload,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.report.analysis import analyze, structured_summary
+from specdecode.report.html import render_html
+from specdecode.report.recommend import recommend
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 
 pytest.importorskip("llguidance")

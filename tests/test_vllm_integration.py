@@ -27,12 +27,12 @@ import httpx
 import pytest
 
 from scripts.vllm_server import Launch, Server, default_venv, installed_vllm
-from specdecode.bench.analysis import analyze
 from specdecode.bench.harness import config_grid, make_header
 from specdecode.bench.http_metrics import read_counters
-from specdecode.bench.recommend import recommend
 from specdecode.bench.store import Results
 from specdecode.integrations.vllm import PINNED_VLLM, vllm_series
+from specdecode.report.analysis import analyze
+from specdecode.report.recommend import recommend
 from tests.fakes import FakeRunner, make_prompts, ngram, plain, workload_of
 from tests.identity import assert_identical_outputs
 

@@ -31,7 +31,7 @@ PAY_MARGIN = 0.05
 def expected_tokens(alpha: float, k: float) -> float:
     """E(k): expected tokens emitted by one step drafting k tokens at per-token acceptance
     alpha, (1 - alpha^(k+1)) / (1 - alpha); k + 1 at alpha = 1. The one definition: the
-    controller's choices, the report's predicted speedup (bench.analysis) and ngram+auto's
+    controller's choices, the report's predicted speedup (report.analysis) and ngram+auto's
     choice (drafters.auto) all use it."""
     if k == 0:
         return 1.0

@@ -1,12 +1,12 @@
-"""`specdecode bench`: measure speculative decoding on your own traffic and report on it.
+"""`specdecode bench`: measure speculative decoding on your own traffic. What the measurements
+say (analysis, recommendation, the reports) is the package `specdecode.report`.
 
 Modules, in the order data flows through them:
 
 - `workloads`: prompts (Spec-Bench JSONL or a plain JSONL format) and the built-in default set;
   `requests`: OpenAI request lines (a `serve --record` recording, a proxy's log) among them.
 - `arrivals`: when requests start (closed loop, the recorded times, a Poisson rate);
-  `openloop`: the open-loop replay of a schedule, window by window; `traffic`: what the traffic
-  did (rates, batch sizes, tails) and the goodput at an SLO.
+  `openloop`: the open-loop replay of a schedule, window by window.
 - `runner`: the `Runner` protocol an engine implements to produce measurements.
 - `inprocess`: the Runner on this package's engine (batch 1 alone, batches and k = "auto" on the
   BatchEngine); `costcurves`: its c(k), v(k) measurement; `peers`: llama-cpp-python's own
@@ -19,13 +19,8 @@ Modules, in the order data flows through them:
 - `store`: the append-only JSONL file results are written to as they are measured, and resume.
 - `harness`: the loop interleaving configurations over the same prompts; `interference`: how busy
   the machine was around each measured batch, and which measurements that disturbed.
-- `analysis`: percentiles, bootstrap confidence intervals and per-configuration aggregates.
-- `recommend`: whether to enable speculation, with which drafter and k, up to which batch size;
-  `frontier`: speed against fidelity across targets.
-- `report_html`, `summary`, `svg`: the self-contained HTML report and the terminal summary;
-  `browser`: the report rendered in headless Chromium and checked as a person sees it.
 - `hardware`: the machine description every report states; `costs`: `specdecode costs`, the
   forward-cost curves.
-- `compare`: what changed between two reports (after a target swap or an upgrade).
-- `plan`: what `bench` and `tune` run, checked before a model loads (their commands: `cli`).
+- `options`: BenchOptions, what `bench` and `tune` are asked, built by every front end;
+  `plan`: what they run, checked before a model loads (their commands: `cli`).
 """

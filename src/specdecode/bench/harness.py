@@ -35,13 +35,11 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from specdecode.bench.analysis import DEFAULT_RESAMPLES, Analysis, analyze, find_baseline
 from specdecode.bench.arrivals import Arrivals
 from specdecode.bench.hardware import detect_hardware
 from specdecode.bench.interference import Probe, assess, between, read_cpu_times
 from specdecode.bench.openloop import REPLAY_WINDOW_S, measure_replay
 from specdecode.bench.peers import is_peer
-from specdecode.bench.recommend import Recommendation, recommend
 from specdecode.bench.records import (
     SCHEMA_VERSION,
     ConfigSpec,
@@ -50,7 +48,6 @@ from specdecode.bench.records import (
     RequestSample,
     RunHeader,
 )
-from specdecode.bench.report_html import write_html
 from specdecode.bench.requests import notes_for
 from specdecode.bench.runner import Runner, RunnerDescription
 from specdecode.bench.store import (
@@ -64,8 +61,6 @@ from specdecode.bench.store import (
     read_results,
     write_report_json,
 )
-from specdecode.bench.summary import render_summary
-from specdecode.bench.traffic import Slo, html_context, traffic, traffic_lines
 from specdecode.bench.workloads import (
     Prompt,
     Workload,
@@ -74,6 +69,11 @@ from specdecode.bench.workloads import (
     prompts_from_description,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.report.analysis import DEFAULT_RESAMPLES, Analysis, analyze, find_baseline
+from specdecode.report.html import write_html
+from specdecode.report.recommend import Recommendation, recommend
+from specdecode.report.summary import render_summary
+from specdecode.report.traffic import Slo, html_context, traffic, traffic_lines
 from specdecode.version import __version__
 
 WARMUP_TOKENS = 16
@@ -270,7 +270,7 @@ def finish(results_path: Path, options: RunOptions, measured: int, resumed: int
     report_json = results_path.parent / REPORT_JSON
     report_html = results_path.parent / REPORT_HTML
     load = assess(results.header, results.samples)
-    flow = traffic(analysis, options.slo)  # open loop, or an SLO: bench.traffic
+    flow = traffic(analysis, options.slo)  # open loop, or an SLO: report.traffic
     write_report_json(report_json, build_report(results, {
         "analysis": analysis.to_dict(), "recommendation": rec.to_dict(),
         "load": load.to_dict(), "traffic": flow.to_dict() if flow else None}))

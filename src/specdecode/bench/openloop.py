@@ -17,7 +17,7 @@ not is replayed whole (its traffic must be the same), and the new samples replac
 
 Statistics: every sample's `group` is the time block of its scheduled start (the schedule cut
 into up to BLOCKS equal spans), the same for every configuration, so the bootstrap resamples
-blocks of requests that ran together rather than requests one by one (bench.analysis).
+blocks of requests that ran together rather than requests one by one (report.analysis).
 """
 
 from __future__ import annotations

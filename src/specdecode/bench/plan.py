@@ -33,7 +33,6 @@ from specdecode.bench.openloop import REPLAY_WINDOW_S
 from specdecode.bench.options import TUNE_MAX_TOKENS, BenchOptions, TuneOptions
 from specdecode.bench.peers import is_peer
 from specdecode.bench.records import ConfigSpec, drafter_options
-from specdecode.bench.traffic import Slo, parse_slo
 from specdecode.bench.workloads import (
     BUILTIN_WORKLOADS,
     REPETITIVE_WORKLOAD,
@@ -46,6 +45,7 @@ from specdecode.bench.workloads import (
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.limits import K_RANGE, valid_k
+from specdecode.report.traffic import Slo, parse_slo
 
 DEFAULT_LIMIT_PER_CATEGORY = 1  # built-in workload: one prompt of each of its 6 categories
 DEFAULT_MAX_TOKENS_CAP = 64  # built-in workload: cap on every prompt's max_tokens
@@ -295,7 +295,7 @@ class BenchPlan:
     skipped: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     no_reference: str | None = None
     # how requests arrive (closed loop, or an open-loop replay: bench.arrivals, bench.openloop),
-    # the replay's window, and --slo (bench.traffic)
+    # the replay's window, and --slo (report.traffic)
     arrivals: Arrivals = dataclasses.field(default_factory=Arrivals)
     replay_window_s: float = REPLAY_WINDOW_S
     slo: Slo | None = None
@@ -375,8 +375,8 @@ def structured_lines(results_path: Path) -> list[str]:
     """Per configuration with constrained requests: outputs valid under their constraint, the
     constraint's own cost (mask time against the request time) and the tokens it forced
     ("unknown" where not recorded: an endpoint's)."""
-    from specdecode.bench.analysis import structured_summary
     from specdecode.bench.store import read_results
+    from specdecode.report.analysis import structured_summary
 
     by_config: dict[tuple[str, int], list[Any]] = {}
     for s in read_results(results_path).samples:
@@ -457,8 +457,8 @@ def make_http_runner(options: BenchOptions, plan: BenchPlan,
 
 def execute(runner: Any, plan: BenchPlan, out: TextIO) -> Any:
     """run_bench with the plan's options; returns its BenchOutcome."""
-    from specdecode.bench.analysis import DEFAULT_RESAMPLES
     from specdecode.bench.harness import RunOptions, run_bench
+    from specdecode.report.analysis import DEFAULT_RESAMPLES
 
     options = RunOptions(plan.out_dir, resume=plan.resume, seed=plan.seed,
                            n_resamples=plan.n_resamples or DEFAULT_RESAMPLES,

@@ -1,6 +1,6 @@
 """`bench --targets fp32,bf16,w4a16,llama.cpp`: several targets of one model measured in ONE
 interleaved run over the same prompts, to answer "what is the fastest lossless way to run this
-model here, at the fidelity I need?" (the analysis: `bench.frontier`).
+model here, at the fidelity I need?" (the analysis: `report.frontier`).
 
 Each target is a precision of the native runner (fp32, checkpoint, bf16, int8, w8a16, w4a16)
 or the GGUF on the llama.cpp backend (`llama.cpp`). Every target runs every configuration of
@@ -160,7 +160,7 @@ def plan_targets(options: BenchOptions, batch_sizes: Sequence[int],
     DEFAULT_TARGET_CONFIGS), those left out, and why there is no llama-cpp-python reference
     (None: there is); checked before anything loads (BenchOptions.check refused --endpoint,
     --precision and --backend beside --targets)."""
-    from specdecode.bench.frontier import parse_fidelity
+    from specdecode.report.frontier import parse_fidelity
 
     parse_fidelity(options.fidelity)
     targets = parse_targets(options.targets or "")

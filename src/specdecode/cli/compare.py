@@ -1,5 +1,5 @@
 """`specdecode compare OLD NEW`: what changed between two bench reports, beyond noise, and
-whether a tuning is stale (`bench.compare`)."""
+whether a tuning is stale (`report.compare`)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def resolve_report(path: str) -> Path:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Print the changes beyond noise (and write them to --json)."""
-    from specdecode.bench.analysis import DEFAULT_RESAMPLES
-    from specdecode.bench.compare import compare
+    from specdecode.report.analysis import DEFAULT_RESAMPLES
+    from specdecode.report.compare import compare
 
     result = compare(resolve_report(args.old), resolve_report(args.new),
                      n_resamples=args.resamples or DEFAULT_RESAMPLES, seed=args.seed)

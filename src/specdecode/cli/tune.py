@@ -75,7 +75,7 @@ def tune_lines(analysis: Any) -> tuple[list[str], Any]:
 
 def tune_verdict(best: Any) -> list[str]:
     """The pick and its vLLM equivalent, or why speculation should stay off."""
-    from specdecode.bench.recommend import vllm_speculative_config
+    from specdecode.report.recommend import vllm_speculative_config
 
     if best is None:
         return ["pick: none (no candidate was measured against plain decoding)"]

@@ -23,8 +23,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from specdecode.bench import frontier, interference
-from specdecode.bench.analysis import (
+from specdecode.bench import interference
+from specdecode.bench.peers import is_peer
+from specdecode.bench.records import ConfigSpec, RequestSample
+from specdecode.drafters.options import INT8_COPY, W4A16_COPY
+from specdecode.report import frontier
+from specdecode.report.analysis import (
     Analysis,
     ConfigSummary,
     Interval,
@@ -34,9 +38,6 @@ from specdecode.bench.analysis import (
     loops,
     measure_speedup,
 )
-from specdecode.bench.peers import is_peer
-from specdecode.bench.records import ConfigSpec, RequestSample
-from specdecode.drafters.options import INT8_COPY, W4A16_COPY
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DRAFT_MODEL_NAMES = ("draft-model", "draft_model", "draft")
@@ -60,7 +61,7 @@ class Recommendation:
     evidence: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # e.g. measured under interference
-    # a run of several targets (bench.frontier): the chosen target, the fidelity rule it was
+    # a run of several targets (report.frontier): the chosen target, the fidelity rule it was
     # chosen under, and the headline saying so
     target: str | None = None
     fidelity: str | None = None

@@ -10,11 +10,11 @@ Per configuration (from its samples, failures and bench.openloop's window record
 - the batch-size distribution the traffic produced: the share of engine steps that decoded b
   requests (exact in process; over HTTP from the server's engine_steps_total, or else the
   share of time b requests were in flight, as the client saw them);
-- the tails (TTFT, TPOT, latency: p50 / p90 / p99 / max, from bench.analysis, here run from each
+- the tails (TTFT, TPOT, latency: p50 / p90 / p99 / max, from report.analysis, here run from each
   request's scheduled start);
 - with `--slo ttft=0.5,tpot=0.05[,latency=S]`: the requests that met every bound (a failed
   request meets none), their share, and the goodput, those requests per second of the
-  configuration's wall time (bench.analysis.wall_time). In a closed-loop run too.
+  configuration's wall time (report.analysis.wall_time). In a closed-loop run too.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdecode.bench.analysis import (
+from specdecode.bench.records import ReplayRecord, RequestSample
+from specdecode.errors import SpecDecodeError
+from specdecode.report.analysis import (
     Analysis,
     ConfigSummary,
     Distribution,
@@ -32,8 +34,6 @@ from specdecode.bench.analysis import (
     jsonable,
     tpot,
 )
-from specdecode.bench.records import ReplayRecord, RequestSample
-from specdecode.errors import SpecDecodeError
 
 SLO_KEYS = ("ttft", "tpot", "latency")
 
@@ -250,8 +250,8 @@ def html_context(t: Traffic | None) -> dict[str, Any]:
     configuration (empty without a traffic section)."""
     from markupsafe import Markup
 
-    from specdecode.bench import svg
-    from specdecode.bench.report_html import Column
+    from specdecode.report import svg
+    from specdecode.report.cells import Column
 
     if t is None:
         return {"traffic": None}

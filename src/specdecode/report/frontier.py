@@ -29,17 +29,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.bench.analysis import (
+from specdecode.bench.peers import is_peer
+from specdecode.bench.records import RequestSample
+from specdecode.errors import SpecDecodeError
+from specdecode.models import backends, precision
+from specdecode.report.analysis import (
     Analysis,
     ConfigSummary,
     Interval,
     is_on,
     measure_speedup,
 )
-from specdecode.bench.peers import is_peer
-from specdecode.bench.records import RequestSample
-from specdecode.errors import SpecDecodeError
-from specdecode.models import backends, precision
 
 # fidelity is measured against this target; --fidelity takes its name for "its output"
 REFERENCE_TARGET = precision.REFERENCE.name

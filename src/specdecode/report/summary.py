@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdecode.bench import interference
-from specdecode.bench.analysis import Analysis, ConfigSummary
 from specdecode.bench.hardware import describe_hardware
-from specdecode.bench.recommend import Recommendation
+from specdecode.report.analysis import Analysis, ConfigSummary
+from specdecode.report.recommend import Recommendation
 
 
 def _f(x: float, digits: int = 2, scale: float = 1.0) -> str:
@@ -88,7 +88,7 @@ def render_summary(
     extra: Sequence[str] = (),
 ) -> str:
     """The whole terminal summary: setup line, per batch size the configs, `extra` lines (the
-    traffic of an open-loop replay: bench.traffic), the verdict."""
+    traffic of an open-loop replay: report.traffic), the verdict."""
     header = analysis.results.header
     load = interference.assess(header, analysis.results.samples)
     lines = [f"specdecode bench: {header.model.name} ({header.model.precision}) on "

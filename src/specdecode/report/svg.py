@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html import escape
 
-from specdecode.bench.analysis import break_even_c
+from specdecode.report.analysis import break_even_c
 
 # character widths in ems (of the font size), generous: lower-case letters and digits, the
 # narrow ones, capitals and the widest letters

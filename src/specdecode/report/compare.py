@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from specdecode.bench.analysis import (
+from specdecode.bench.records import RequestSample
+from specdecode.bench.store import Results, load_report, results_from_report
+from specdecode.report.analysis import (
     DEFAULT_RESAMPLES,
     Interval,
     analyze,
@@ -35,9 +37,7 @@ from specdecode.bench.analysis import (
     pooled_percentile_replicates,
     ratio_of_sums,
 )
-from specdecode.bench.recommend import Recommendation, recommend
-from specdecode.bench.records import RequestSample
-from specdecode.bench.store import Results, load_report, results_from_report
+from specdecode.report.recommend import Recommendation, recommend
 
 ReportLike = Results | dict[str, Any] | str | Path
 Replicates = Callable[[Sequence[RequestSample], np.random.Generator, int], tuple[float,
