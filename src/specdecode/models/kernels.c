@@ -1113,7 +1113,8 @@ int sd_block(float *x, int64_t M, const sd_block_w *b, const float *cos, const f
 
 /* Every block, the final norm and the LM head in one call: x (M, hidden) is the embedded input
  * (overwritten); attns[l]: layer l's attention spec; logits (M, vocab) of the rows in `which`
- * (n_which rows: their indices into x), written to `logits`. No per-layer return to Python. */
+ * (n_which rows: their indices into x), written to `logits`; with n_which 0 only the blocks run
+ * (head, final_norm and logits may be NULL). No per-layer return to Python. */
 int sd_forward(float *x, int64_t M, int64_t n_layers, const sd_block_w *blocks,
                const float *cos, const float *sin, const int64_t *slots, const sd_attn *attns,
                const float *final_norm, float eps, const sd_mat *head, const int64_t *which,
@@ -1126,11 +1127,15 @@ int sd_forward(float *x, int64_t M, int64_t n_layers, const sd_block_w *blocks,
     }
     if (block_buf_alloc(&u, &blocks[0], M, min_group(blocks, n_layers))) return SD_ENOMEM;
     sd_scratch hs;
-    float *hx = (float *)malloc(sizeof(float) * (size_t)((n_which > 0 ? n_which : 1) * H));
-    if (!hx || scratch_alloc(&hs, n_which > 0 ? n_which : 1, head->k, head->group > 0 ? head->group : 32)) {
-        free(hx);
-        block_buf_free(&u);
-        return SD_ENOMEM;
+    memset(&hs, 0, sizeof hs);
+    float *hx = NULL;
+    if (n_which > 0) { /* the head's rows: none when the caller takes the hidden states */
+        hx = (float *)malloc(sizeof(float) * (size_t)(n_which * H));
+        if (!hx || scratch_alloc(&hs, n_which, head->k, head->group > 0 ? head->group : 32)) {
+            free(hx);
+            block_buf_free(&u);
+            return SD_ENOMEM;
+        }
     }
     int failed = 0;
 #pragma omp parallel

@@ -621,6 +621,15 @@ def block(x: torch.Tensor, weights: SdBlockW, cos: torch.Tensor, sin: torch.Tens
                            sin.data_ptr(), slots.data_ptr(), ctypes.byref(spec)), "a block")
 
 
+def blocks(x: torch.Tensor, weights: ctypes.Array[SdBlockW], cos: torch.Tensor,
+           sin: torch.Tensor, slots: torch.Tensor, specs: ctypes.Array[SdAttn]) -> None:
+    """Apply every block to x (M, hidden) fp32 contiguous, in place, in one call (kernels.c
+    sd_forward without its head): weights[l] and specs[l] of layer l."""
+    _check(_lib().sd_forward(x.data_ptr(), x.shape[0], len(weights), weights, cos.data_ptr(),
+                             sin.data_ptr(), slots.data_ptr(), specs, None, 0.0, None, None, 0,
+                             None), "the blocks of a forward pass")
+
+
 def forward(x: torch.Tensor, blocks: ctypes.Array[SdBlockW], cos: torch.Tensor,
             sin: torch.Tensor, slots: torch.Tensor, specs: ctypes.Array[SdAttn],
             final_norm: torch.Tensor, eps: float, head: Panels, which: torch.Tensor

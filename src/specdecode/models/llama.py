@@ -14,6 +14,7 @@ record builds (models.precision, models.linears).
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -394,6 +395,25 @@ class LlamaModel(nn.Module):
     def version(self) -> str:
         return f"torch {torch.__version__}"
 
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles leave out the kernels' array of raw pointers (rebuilt on use)."""
+        state = dict(self.__dict__)
+        state.pop("_fused_array", None)
+        state.pop("_fused_blocks_of", None)
+        return state
+
+    def _fused_blocks(self) -> ctypes.Array[kernels.SdBlockW] | None:
+        """Every block's weights for one kernels.blocks call (no per-layer Python), or None
+        where a block does not run fused (Block.fused); rebuilt when a block's weights change."""
+        structs = [block.fused() for block in self.layers]  # type: ignore[operator]
+        if not structs or any(s is None for s in structs):
+            return None
+        held = getattr(self, "_fused_blocks_of", None)
+        if held is None or any(a is not b for a, b in zip(held, structs, strict=True)):
+            self._fused_array = (kernels.SdBlockW * len(structs))(*structs)
+            self._fused_blocks_of = structs
+        return self._fused_array
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of `return_hidden` output: forward's own last operations."""
         return self.lm_head(hidden).float()
@@ -480,8 +500,15 @@ class LlamaModel(nn.Module):
         x = (self.embed(tokens) if embeds is None else embeds).reshape(B * T, -1)  # (B * T, H)
         if exact is not None:  # fused blocks update x in place: never an input of the caller's
             x = x.float().clone() if embeds is not None else x.float().contiguous()
-        for i in layers if layers is not None else range(len(self.layers)):
-            x = self.layers[i](x, step, (cache.k[i], cache.v[i]))
+        fused = self._fused_blocks() if exact is not None and layers is None else None
+        if fused is not None and exact is not None:  # every block in one call, x in place
+            specs = (kernels.SdAttn * len(self.layers))(*(
+                kernels.attn_spec(cache.k[i], cache.v[i], exact.rows, exact.mask, used)
+                for i in range(len(self.layers))))
+            kernels.blocks(x, fused, exact.cos, exact.sin, exact.slots, specs)
+        else:
+            for i in layers if layers is not None else range(len(self.layers)):
+                x = self.layers[i](x, step, (cache.k[i], cache.v[i]))
         for b in range(B):
             cache.lengths[b] += T if num_new is None else int(num_new[b])
         x = x.view(B, T, -1)
