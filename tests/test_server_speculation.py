@@ -101,11 +101,22 @@ def test_a_window_below_one_warns_once_and_recovers(caplog: pytest.LogCaptureFix
 
 
 def test_plain_decoding_is_never_called_not_paying() -> None:
+    """Plain decoding, or a speculative server whose controller held drafting off in (almost)
+    every step: steps dearer than calibrated read below 1.0, but that is the machine (drift),
+    not speculation; a label drafting in a fifth of its steps at that cost is judged."""
     mon, clock = monitor("none")
     steps(mon, 30, 0.012, [Row(None, 0, 0, 1)])
     clock.now = 11.0
     label, (_, window, not_paying) = next(iter(mon.labels().items()))
     assert label == "none" and window is not None and not not_paying
+    mon, clock = monitor("ngram")
+    steps(mon, 30, 0.012, [Row("off", 0, 0, 1)])
+    steps(mon, 24, 0.012, [Row("some", 0, 0, 1)])
+    steps(mon, 6, 0.012, [Row("some", 2, 0, 1)])
+    clock.now = 11.0
+    got = mon.labels()
+    assert got["off"][1] is not None and got["off"][1].speedup < 1 and not got["off"][2]
+    assert got["some"][2] and "step_cost" not in mon.stale_reasons()
 
 
 def test_plain_steps_dearer_than_calibrated_make_it_stale() -> None:

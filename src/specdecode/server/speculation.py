@@ -21,7 +21,9 @@ the monitor keeps integer counters and summed seconds, from which everything is 
 Every `window_s` seconds (the monitor is driven by the engine thread's steps and by reads, so
 an idle server closes its window at the next step or scrape), each label's window is judged:
 with at least `min_steps` row-steps, a realised speedup below 1.0 sets the label's
-`not_paying` state and logs a warning (once, when it turns; an info line when it recovers).
+`not_paying` state and logs a warning (once, when it turns; an info line when it recovers),
+unless the label drafted in fewer than MIN_DRAFTING of them (speculation is then off: its
+no-draft share says so, and a low estimate is the machine's, which the drift check judges).
 The server-wide window also compares its plain steps (no row drafted) with the calibration: a
 step cost above DRIFT_LIMIT means the target or the machine is not what was calibrated
 (another load, a swapped target), a `stale` reason ("step_cost"). `--calibration REPORT`
@@ -60,6 +62,7 @@ log = logging.getLogger("specdecode.server")
 WINDOW_S = 60.0
 MIN_WINDOW_STEPS = 64  # row-steps a window needs before it is judged
 DRIFT_LIMIT = 1.25  # plain steps costing this many calibrated ones: the calibration is stale
+MIN_DRAFTING = 0.1  # a label drafting in fewer of its steps is not judged "not paying"
 MAX_LABELS = 32
 OTHER_LABEL = "other"
 NO_LABEL = "none"
@@ -274,7 +277,11 @@ class SpeculationMonitor:
     def _judge(self, name: str, state: LabelState, window: Tally) -> None:
         if not self.speculating:
             return
-        losing = window.speedup < 1.0
+        # drafting in fewer than MIN_DRAFTING of its steps, speculation is off for this label
+        # (the controller holds it off, or nothing matched): an estimate below 1.0 then says
+        # the machine is slower than calibrated (the drift check's business), not that
+        # speculation costs more than it brings
+        losing = window.speedup < 1.0 and 1.0 - window.no_draft_share >= MIN_DRAFTING
         if losing and not state.not_paying:
             log.warning("speculation is not paying for label %s (drafter %s): realised speedup "
                         "estimate %.2f over the last %g s (%d row-steps, %.2f tokens per step, "
