@@ -163,3 +163,30 @@ def test_one_place_builds_the_controller(tmp_path: Path) -> None:
     (tmp_path / "api.py").write_text("def f(c):\n    return c.Controller(kmax=3)\n")
     (tmp_path / "control.py").write_text("def g():\n    return Controller(kmax=3)\n")
     assert controller_builders(tmp_path) == ["api.py:2"]
+
+
+def logits_for_decoders(package: Path) -> list[str]:
+    """Every comparison of a `logits_for` value outside models/logits_for.py: a backend that
+    decodes Target.__call__'s logits_for itself instead of calling logit_positions."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel == "models/logits_for.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and any(
+                    _is_subject(o, "logits_for") for o in [node.left, *node.comparators]):
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_one_decoder_for_logits_for(tmp_path: Path) -> None:
+    """models.logits_for decodes "all"/"last"/"none"/indices for every backend (four backends
+    decoded it each, the llama.cpp one twice); a backend comparing it itself is found."""
+    assert logits_for_decoders(PACKAGE) == []
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "llamacpp.py").write_text(
+        'def f(logits_for):\n    return 1 if logits_for == "last" else 2\n')
+    (tmp_path / "models" / "logits_for.py").write_text(
+        'def g(logits_for):\n    return logits_for == "all"\n')
+    assert logits_for_decoders(tmp_path) == ["models/llamacpp.py:2"]

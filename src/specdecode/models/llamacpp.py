@@ -39,6 +39,7 @@ from specdecode.models.cache import check_room
 from specdecode.models.config import ModelConfig
 from specdecode.models.invariance import DEFAULT_WIDTH, Invariance, Threads, measure
 from specdecode.models.llamacpp_probe import require_runs
+from specdecode.models.logits_for import is_last, logit_positions
 from specdecode.models.target import Cache, Target
 
 EXTRA = "llamacpp"  # pip install "specdecode[llamacpp]"
@@ -314,16 +315,10 @@ class LlamaCppModel:
         B, T = tokens.shape
         news = [T] * B if num_new is None else [int(n) for n in num_new]
         cache.check_room(T)
-        if isinstance(logits_for, torch.Tensor):
-            wanted = [int(i) for i in logits_for.tolist()]
-        elif logits_for == "all":
-            wanted = list(range(T))
-        elif logits_for == "last":
-            wanted = [-1]
-        elif logits_for == "none":
-            wanted = []
-        else:
-            raise ValueError(f"logits_for={logits_for!r}")
+        asked = logit_positions(logits_for)
+        last = is_last(asked)  # -1: each row's own last position, whatever its length
+        wanted = [int(i) for i in asked.tolist()] if isinstance(asked, torch.Tensor) else \
+            [-1] if last else list(range(T))[asked]
         ids = tokens.tolist()
         outputs: list[list[int]] = []  # per row, the output index of each wanted position
         total = sum(news)
@@ -354,7 +349,7 @@ class LlamaCppModel:
         if not wanted:
             return torch.zeros(B, 0, 0)
         flat = self._logits(n_out)  # (n_out, V), a view of llama.cpp's buffer
-        width = T if logits_for == "all" or isinstance(logits_for, torch.Tensor) else 1
+        width = 1 if last else T
         if B == 1 and len(outputs[0]) == width:
             return flat[None]
         padded = torch.zeros(B, width, self.vocab_size)
