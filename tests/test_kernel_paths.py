@@ -64,6 +64,8 @@ def _cases() -> dict[str, Panels]:
         "q8": kernels.pack_q8(c8 + 128, s32, None, bias, offset=128),
         "q8-g16": kernels.pack_q8(c6, s16, None, offset=32, group=16),
         "q8-zero": kernels.pack_q8(c6, s32, z32),
+        "q5": kernels.pack_q5(c6 >> 1, s32, None, bias, offset=16),
+        "q5-zero-g16": kernels.pack_q5(c6 >> 1, s16, z16, group=16),
     }
 
 

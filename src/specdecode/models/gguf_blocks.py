@@ -257,7 +257,8 @@ def panels(b: Blocks, mode: str, bias: torch.Tensor | None = None) -> kernels.Pa
     zero = None if b.zero is None else torch.from_numpy(
         np.ascontiguousarray(b.zero, dtype=np.float32))
     if mode == "a8":
-        pack = kernels.pack_q4 if b.bits <= 4 else kernels.pack_q8
+        pack = (kernels.pack_q4 if b.bits <= 4 else kernels.pack_q5 if b.bits == 5
+                else kernels.pack_q8)
         return pack(codes, scale, zero, bias, offset=b.offset, group=b.group)
     if mode != "fp":
         raise ValueError(f"mode {mode!r} (one of {MODES})")

@@ -70,7 +70,7 @@
 #define QROWS_MAX 6
 #define QNP_MAX 4
 #endif
-#define SD_ABI 2           /* bumped whenever a struct or a signature below changes */
+#define SD_ABI 3           /* bumped whenever a struct or a signature below changes */
 #define PANEL 16           /* output columns per packed panel */
 #define CHUNK 64           /* rows whose inputs stay in cache while every panel passes over them */
 #define QBLOCK 32          /* inputs per int8 scale of the a8 kinds' activations */
@@ -78,9 +78,10 @@
 #define SD_ENOMEM 1
 #define SD_INLINE static inline __attribute__((always_inline))
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND_Q4 = 5, KIND_Q8 = 6 };
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND_Q4 = 5, KIND_Q8 = 6,
+       KIND_Q5 = 7 };
 #define GROUPED(kind) ((kind) == KIND_I4 || (kind) == KIND_I8G)
-#define QUANT(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q8)
+#define QUANT(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q8 || (kind) == KIND_Q5)
 
 #if SD_ISA == 3 && SD_FP512
 #define ROWS 12    /* rows sharing one pass over a panel (a register block) */
@@ -105,7 +106,10 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND
  *     for input 4i + j: w = (code - offset) * scale (+ zero), scale/zero per group as I4's.
  * Q4 (a8): 4-bit codes, octet i of inputs 8i..8i+7 at byte [((p*(K/8) + i)*16 + c)*4 + j]:
  *     input 8i + j in the low nibble, 8i + 4 + j in the high one; w = (code - offset) * scale
- *     (+ zero). */
+ *     (+ zero).
+ * Q5 (a8): 5-bit codes as Q4's nibbles plus a plane of fifth bits, `hbits`: for octet i of panel
+ *     p, 16 bytes at ((p*(K/8) + i)*16): bit (h*64 + c*4 + j) is the fifth bit of input
+ *     8i + 4h + j of column c (GGUF's Q5_0 / Q5_1 / Q5_K, at 0.69 bytes a weight, not 1.1). */
 typedef struct {
     const void *w;
     const float *scale;
@@ -116,6 +120,7 @@ typedef struct {
     int32_t round_x; /* round the inputs to bf16 first (the "a16" precisions) */
     int32_t group;   /* inputs per scale of the grouped and a8 kinds: 16 or 32 */
     int32_t offset;  /* a8 kinds: the codes' offset */
+    const uint8_t *hbits; /* Q5: the fifth bits; else NULL */
 } sd_mat;
 
 int sd_abi(void) { return SD_ABI; }
@@ -548,6 +553,12 @@ SD_INLINE i16v i_dot4(i16v acc, __m512i w, int32_t x4, int signed_w) {
 #endif
 }
 SD_INLINE __m512i q_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+/* 64 codes plus 16 where their bit in the 8 bytes at h is set (Q5's fifth bits) */
+SD_INLINE __m512i q_high(__m512i codes, const uint8_t *h) {
+    uint64_t bits;
+    memcpy(&bits, h, 8);
+    return _mm512_mask_add_epi8(codes, (__mmask64)bits, codes, _mm512_set1_epi8(16));
+}
 SD_INLINE __m512i q_lo(__m512i b) { return _mm512_and_si512(b, _mm512_set1_epi8(0xf)); }
 SD_INLINE __m512i q_hi(__m512i b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0xf)); }
 SD_INLINE yv16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
@@ -594,6 +605,22 @@ SD_INLINE q64 q_hi(q64 b) {
     q64 r = {_mm256_and_si256(_mm256_srli_epi16(b.a, 4), f), _mm256_and_si256(_mm256_srli_epi16(b.b, 4), f)};
     return r;
 }
+/* 32 bits -> 32 bytes, 16 where the bit is set: each byte picks its bit's byte, then its bit */
+SD_INLINE __m256i bits16(uint32_t bits) {
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                    _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+    return _mm256_and_si256(hit, _mm256_set1_epi8(16));
+}
+SD_INLINE q64 q_high(q64 codes, const uint8_t *h) {
+    uint32_t lo, hi;
+    memcpy(&lo, h, 4);
+    memcpy(&hi, h + 4, 4);
+    q64 r = {_mm256_or_si256(codes.a, bits16(lo)), _mm256_or_si256(codes.b, bits16(hi))};
+    return r;
+}
 SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
                      float xs, v16 y) {
     __m256i c = _mm256_set1_epi32(corr);
@@ -631,6 +658,10 @@ SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
 SD_INLINE q64 q_load(const uint8_t *p) { q64 r; memcpy(r.b, p, 64); return r; }
 SD_INLINE q64 q_lo(q64 b) { for (int i = 0; i < 64; i++) b.b[i] &= 0xf; return b; }
 SD_INLINE q64 q_hi(q64 b) { for (int i = 0; i < 64; i++) b.b[i] >>= 4; return b; }
+SD_INLINE q64 q_high(q64 codes, const uint8_t *h) {
+    for (int i = 0; i < 64; i++) codes.b[i] |= (uint8_t)(((h[i / 8] >> (i % 8)) & 1) << 4);
+    return codes;
+}
 SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
                      float xs, v16 y) {
     for (int c = 0; c < PANEL; c++) {
@@ -690,6 +721,11 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
                 for (int j = 0; j < NP; j++) {
                     __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + i) * 64);
                     __typeof__(q_load(w)) lo = q_lo(b), hi = q_hi(b);
+                    if (kind == KIND_Q5) {
+                        const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 16;
+                        lo = q_high(lo, h);
+                        hi = q_high(hi, h + 8);
+                    }
                     for (int r = 0; r < R; r++) {
                         int32_t x4a, x4b;
                         memcpy(&x4a, qr->q + (r0 + r) * K + 8 * i, 4);
@@ -769,6 +805,7 @@ SD_INLINE void qchunk_of_kind(const sd_qrows *qr, int64_t m0, const sd_mat *m, i
 static void qpanel_chunk(const sd_qrows *qr, int64_t m0, const sd_mat *m, int64_t p, int np,
                          int64_t M, float out[][CHUNK][PANEL]) {
     if (m->kind == KIND_Q8) qchunk_of_kind(qr, m0, m, KIND_Q8, p, np, M, out);
+    else if (m->kind == KIND_Q5) qchunk_of_kind(qr, m0, m, KIND_Q5, p, np, M, out);
     else qchunk_of_kind(qr, m0, m, KIND_Q4, p, np, M, out);
 }
 

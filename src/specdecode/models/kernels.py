@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import json
@@ -50,13 +51,13 @@ from specdecode.errors import SpecDecodeError
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
-ABI = 2  # kernels.c SD_ABI
+ABI = 3  # kernels.c SD_ABI
 PANEL = 16  # kernels.c: output columns per packed panel
 GROUP = 32  # inputs per scale of the 4-bit and grouped int8 formats (Q6_K blocks: 16)
 QBLOCK = 32  # kernels.c: inputs per int8 scale of the a8 kinds' activations
 CHUNK = 64  # kernels.c: rows per pass
-KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I8G, KIND_Q4, KIND_Q8 = 0, 1, 2, 3, 4, 5, 6
-QUANT_KINDS = (KIND_Q4, KIND_Q8)  # integer activations: the "a8" precisions
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I8G, KIND_Q4, KIND_Q8, KIND_Q5 = range(8)
+QUANT_KINDS = (KIND_Q4, KIND_Q8, KIND_Q5)  # integer activations: the "a8" precisions
 MAX_HEAD_DIM = 512  # kernels.c's per-row RoPE buffer
 ENOMEM = 1
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
@@ -93,7 +94,7 @@ log = logging.getLogger(__name__)
 class SdMat(ctypes.Structure):
     _fields_ = [("w", _P), ("scale", _P), ("zero", _P), ("bias", _P), ("n", _I), ("k", _I),
                 ("kind", ctypes.c_int32), ("round_x", ctypes.c_int32),
-                ("group", ctypes.c_int32), ("offset", ctypes.c_int32)]
+                ("group", ctypes.c_int32), ("offset", ctypes.c_int32), ("hbits", _P)]
 
 
 class SdAttn(ctypes.Structure):
@@ -238,6 +239,7 @@ def trial(lib: ctypes.CDLL) -> str | None:
         "i8g16": pack_int8_groups(codes8, s16, z16, group=16),
         "q4": pack_q4(codes4, s, z, offset=8), "q8": pack_q8(codes8 + 128, s16, None,
                                                            offset=128, group=16),
+        "q5": pack_q5((codes8 + 128) >> 3, s, None, offset=16),
     }
     for name, panels in cases.items():
         mat = panels.struct()
@@ -408,15 +410,17 @@ class Panels:
     round_x: bool = False  # inputs rounded to bf16 (the "a16" precisions)
     group: int = 0  # inputs per scale (grouped and a8 kinds)
     offset: int = 0  # a8 kinds: value = code - offset
+    hbits: torch.Tensor | None = None  # Q5: the plane of fifth bits
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.zero)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.zero,
+                                                           self.hbits) if t is not None)
 
     def struct(self) -> SdMat:
         return SdMat(_ptr(self.w), _ptr(self.scale), _ptr(self.zero), _ptr(self.bias), self.n,
-                     self.k, self.kind, int(self.round_x), self.group, self.offset)
+                     self.k, self.kind, int(self.round_x), self.group, self.offset,
+                     _ptr(self.hbits))
 
 
 def _panelled(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
@@ -521,6 +525,22 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
                   bias=_bias(bias), group=group, offset=offset)
 
 
+def pack_q5(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP) -> Panels:
+    """5-bit codes 0..31 for the a8 products: the low four bits as pack_q4 lays them out, the
+    fifth in a bit plane (16 bytes per octet of inputs and panel: bit h*64 + c*4 + j is input
+    8i + 4h + j of column c)."""
+    if codes.min() < 0 or codes.max() > 31:
+        raise ValueError("5-bit codes must lie in 0..31")
+    low = pack_q4(codes & 0xF, scales, zeros, bias, offset=offset, group=group)
+    q = _quads(codes >> 4)  # (P, k / 4, 16, 4) of 0/1: quad 2i + h of octet i
+    bits = q.reshape(q.shape[0], -1, 2, PANEL * 4)  # (P, k / 8, h, c * 4 + j)
+    weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 1, 8)
+    hbits = (bits.view(*bits.shape[:3], 8, 8).to(torch.int32) * weights).sum(-1)
+    hbits = hbits.to(torch.uint8).reshape(q.shape[0], -1, 16).contiguous()  # (P, k / 8, 16)
+    return dataclasses.replace(low, kind=KIND_Q5, hbits=hbits)
+
+
 def _per_group(t: torch.Tensor | None, p: Panels) -> torch.Tensor | None:
     return None if t is None else t.transpose(1, 2).reshape(-1, p.k // p.group)[: p.n]
 
@@ -540,8 +560,13 @@ def codes_of(p: Panels) -> torch.Tensor:
         flat = torch.cat([lo, hi], dim=-1)  # (P, k, 16)
     elif p.kind in QUANT_KINDS:
         q = p.w
-        if p.kind == KIND_Q4:
+        if p.kind in (KIND_Q4, KIND_Q5):
             q = torch.stack([q & 0xF, q >> 4], dim=2).reshape(q.shape[0], p.k // 4, PANEL, 4)
+        if p.kind == KIND_Q5:
+            assert p.hbits is not None
+            bits = (p.hbits.view(q.shape[0], p.k // 8, 16, 1).to(torch.int32)
+                    >> torch.arange(8, dtype=torch.int32)) & 1  # (P, k / 8, 16 bytes, 8)
+            q = q | (bits.reshape(q.shape[0], p.k // 4, PANEL, 4) << 4).to(torch.uint8)
         return q.transpose(1, 2).reshape(-1, p.k)[: p.n]
     else:
         flat = p.w
