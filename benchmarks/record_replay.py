@@ -265,7 +265,7 @@ def print_tables(summary: dict[str, Any]) -> None:
                   f"{c['mean_batch']:.2f} | {c['ttft']['p50'] * 1000:.0f} / "
                   f"{c['ttft']['p99'] * 1000:.0f} | {c['tpot']['p50'] * 1000:.1f} / "
                   f"{c['tpot']['p99'] * 1000:.1f} | {g.get('met')}/{g.get('requests')} "
-                  f"({(g.get('share') or math.nan):.0%}) | {speed} |")
+                  f"({g.get('share', math.nan):.0%}) | {speed} |")
         print(f"  {r['speed']:g}x recommendation: enable={r['recommendation']['enable']} "
               f"{r['recommendation'].get('config')}; disturbed: {r['disturbed'] or 'none'}")
     big = summary.get("large")

@@ -348,3 +348,24 @@ def test_goodput_in_closed_loop_and_under_a_new_slo_on_resume(ckpt: Path,
     assert "0 requests measured (3 resumed)" in stdout
     goodput = json.loads((out / "report.json").read_text())["traffic"]["configs"][0]["goodput"]
     assert goodput["met"] == 0 and goodput["requests"] == 3
+
+
+def test_a_chat_request_without_max_tokens_runs_in_the_servers_context(
+        ckpt: Path, tmp_path: Path) -> None:
+    """No max_tokens: all the room, as `serve` gives it, in serve's default context (2,048
+    tokens, not the model's whole window), capped by --max-tokens."""
+    from specdecode.bench.inprocess import DEFAULT_CAPACITY, InProcessRunner
+    from specdecode.bench.workloads import load_workload
+
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps({"model": "ck", "messages": [{"role": "user",
+                                                            "content": "t5 t6"}]}) + "\n")
+    workload = load_workload(path)
+    runner = InProcessRunner(loaded_tiny(ckpt), max_tokens_cap=4)
+    assert runner.fit_capacity(workload.prompts, 3) <= DEFAULT_CAPACITY + 4
+    code, _, err = run(["bench", "--model", str(ckpt), "--workload", str(path), "--out",
+                        str(tmp_path / "out"), "--quiet", "--threads", "1", "--resamples",
+                        "100", "--configs", "plain", "--max-tokens", "4"])
+    assert code == 0, err
+    (sample,) = samples(tmp_path / "out")
+    assert sample["output_tokens"] <= 4 and sample["temperature"] == 1.0

@@ -470,11 +470,12 @@ class InProcessRunner:
 
     def _request_bound(self, prompt: Prompt) -> int:
         """Tokens a recorded request may take: its prompt and max_tokens (chat without one:
-        the whole context, as the server gives it all the room; a completion: 16)."""
+        all the room, as the server gives it, in a context of DEFAULT_CAPACITY tokens, serve's
+        default --max-seq-len; a completion: 16)."""
         from specdecode.bench.requests import CHAT
         from specdecode.server.prepare import DEFAULT_COMPLETION_TOKENS
 
-        context = int(self.loaded.model.cfg.max_position)
+        context = min(int(self.loaded.model.cfg.max_position), DEFAULT_CAPACITY)
         default = context if prompt.route == CHAT else DEFAULT_COMPLETION_TOKENS
         ids = self._request_ids(prompt)[1]
         return min(len(ids) + self.max_tokens_of(prompt, default), context)
