@@ -25,7 +25,7 @@ from specdecode.models.kernels import Panels
 
 pytestmark = pytest.mark.skipif(kernels._compiler() is None, reason="no C compiler")
 
-N, K = 40, 128
+N, K = 40, 256
 
 
 def _lib(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -50,7 +50,20 @@ def _cases() -> dict[str, Panels]:
     c6 = torch.randint(0, 64, (N, K), generator=gen)
     s32, z32 = torch.rand(N, K // 32, generator=gen) * 0.1, torch.randn(N, K // 32, generator=gen)
     s16, z16 = torch.rand(N, K // 16, generator=gen) * 0.1, torch.randn(N, K // 16, generator=gen)
+    S = K // 256
+    kd = (torch.rand(N, S, generator=gen) * 0.01).half().float()
+    kmin = (torch.rand(N, S, generator=gen) * 0.01).half().float()
+    ksc = torch.randint(0, 64, (N, S, 8), generator=gen).to(torch.int8)
+    km = torch.randint(0, 64, (N, S, 8), generator=gen).to(torch.int8)
+    k6 = torch.randint(-128, 128, (N, S, 16), generator=gen).to(torch.int8)
+    q4k = kernels.KScales(kd, kmin, ksc, km)
+    q6k = kernels.KScales(kd, None, k6, None)
+    s4, z4 = q4k.per_group()
+    s6, _ = q6k.per_group()
     return {
+        "q4-kscales": kernels.pack_q4(c4, s4, z4, bias, kscales=q4k),
+        "q5-kscales": kernels.pack_q5(c6 >> 1, s4, z4, kscales=q4k),
+        "q8-kscales-g16": kernels.pack_q8(c6, s6, None, offset=32, group=16, kscales=q6k),
         "f32": kernels.pack_float(w, torch.float32, bias),
         "bf16": kernels.pack_float(w, torch.bfloat16, bias, round_x=True),
         "i8": kernels.pack_int8(c8, s32[:, 0], bias),

@@ -50,6 +50,9 @@ class Blocks:
     group: int
     bits: int  # the widest code: 4, 5, 6 or 8
     dense: np.ndarray | None = None  # (n, k) fp32 for F32 / F16 / BF16
+    # K-quants: the scales as the file holds them, (d, dmin or None, sc, m or None): d, dmin
+    # (n, S) fp32 per super-block of 256, sc, m (n, S, 256 / group) int8 (scale = d * sc)
+    kq: tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None] | None = None
 
     def weight(self) -> np.ndarray:
         """The fp32 weight, computed as ggml does (the tests' reference)."""
@@ -155,13 +158,20 @@ def _q8_0(b: np.ndarray, n: int, k: int) -> Blocks:
     return Blocks(n, k, codes, d, None, 128, 32, 8)
 
 
+def _k_minned(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, n: int
+              ) -> dict[str, Any]:
+    """The per-group scale and zero of a K-quant with minimums, and its file form."""
+    return {"scale": (d[..., None] * sc.astype(np.float32)).reshape(n, -1),
+            "zero": -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1),
+            "kq": (d, dmin, sc.astype(np.int8), mn.astype(np.int8))}
+
+
 def _q4_k(b: np.ndarray, n: int, k: int) -> Blocks:
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales(b[..., 4:16])
-    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
-    zero = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
     codes = _k_nibbles(b[..., 16:144]).reshape(n, k)
-    return Blocks(n, k, codes, scale, zero, 0, 32, 4)
+    f = _k_minned(d, dmin, sc, mn, n)
+    return Blocks(n, k, codes, f["scale"], f["zero"], 0, 32, 4, kq=f["kq"])
 
 
 def _q5_k(b: np.ndarray, n: int, k: int) -> Blocks:
@@ -171,9 +181,8 @@ def _q5_k(b: np.ndarray, n: int, k: int) -> Blocks:
     shifts = np.arange(8, dtype=np.uint8)
     high = ((qh[..., None, :] >> shifts[:, None]) & 1).reshape(*qh.shape[:-1], 256)
     codes = (_k_nibbles(b[..., 48:176]) | (high << 4)).reshape(n, k)
-    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
-    zero = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
-    return Blocks(n, k, codes, scale, zero, 0, 32, 5)
+    f = _k_minned(d, dmin, sc, mn, n)
+    return Blocks(n, k, codes, f["scale"], f["zero"], 0, 32, 5, kq=f["kq"])
 
 
 def _q6_k(b: np.ndarray, n: int, k: int) -> Blocks:
@@ -189,7 +198,8 @@ def _q6_k(b: np.ndarray, n: int, k: int) -> Blocks:
         halves.append(np.concatenate(parts, axis=-1))
     codes = np.concatenate(halves, axis=-1).reshape(n, k)
     scale = (d[..., None] * sc).reshape(n, -1)
-    return Blocks(n, k, codes, scale, None, 32, 16, 6)
+    kq = (d, None, b[..., 192:208].view(np.int8).copy(), None)
+    return Blocks(n, k, codes, scale, None, 32, 16, 6, kq=kq)
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
@@ -203,8 +213,10 @@ def permute_rows(b: Blocks, order: np.ndarray) -> Blocks:
     def take(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else a[order]
 
+    kq = None if b.kq is None else (b.kq[0][order], take(b.kq[1]), b.kq[2][order],
+                                    take(b.kq[3]))
     return Blocks(b.n, b.k, take(b.codes), take(b.scale), take(b.zero), b.offset, b.group,
-                  b.bits, take(b.dense))
+                  b.bits, take(b.dense), kq)
 
 
 def _widened(b: Blocks) -> Blocks:
@@ -234,9 +246,16 @@ def join(parts: list[Blocks]) -> Blocks:
         parts = [_widened(p) for p in parts]
     first = parts[0]
     zero = None if first.zero is None else np.concatenate([p.zero for p in parts])  # type: ignore[misc]
+    kq = None
+    if same and all(p.kq is not None for p in parts):  # the file's form survives the join
+        kqs = [p.kq for p in parts]
+        kq = (np.concatenate([q[0] for q in kqs]),  # type: ignore[index]
+              None if first.zero is None else np.concatenate([q[1] for q in kqs]),  # type: ignore[index,misc]
+              np.concatenate([q[2] for q in kqs]),  # type: ignore[index]
+              None if first.zero is None else np.concatenate([q[3] for q in kqs]))  # type: ignore[index,misc]
     return Blocks(sum(p.n for p in parts), k, np.concatenate([p.codes for p in parts]),  # type: ignore[misc]
                   np.concatenate([p.scale for p in parts]), zero, first.offset,  # type: ignore[misc]
-                  first.group, max(p.bits for p in parts))
+                  first.group, max(p.bits for p in parts), kq=kq)
 
 
 # --- panels ----------------------------------------------------------------------------------
@@ -259,7 +278,13 @@ def panels(b: Blocks, mode: str, bias: torch.Tensor | None = None) -> kernels.Pa
     if mode == "a8":
         pack = (kernels.pack_q4 if b.bits <= 4 else kernels.pack_q5 if b.bits == 5
                 else kernels.pack_q8)
-        return pack(codes, scale, zero, bias, offset=b.offset, group=b.group)
+        kscales = None
+        if b.kq is not None:  # the file's own scales: 0.09 bytes a weight, not 0.25
+            d, dmin, sc, mn = (None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+                               for a in b.kq)
+            assert d is not None and sc is not None
+            kscales = kernels.KScales(d, dmin, sc, mn)
+        return pack(codes, scale, zero, bias, offset=b.offset, group=b.group, kscales=kscales)
     if mode != "fp":
         raise ValueError(f"mode {mode!r} (one of {MODES})")
     if b.bits <= 4 and (zero is not None or b.offset):

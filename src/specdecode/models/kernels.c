@@ -70,7 +70,7 @@
 #define QROWS_MAX 6
 #define QNP_MAX 4
 #endif
-#define SD_ABI 3           /* bumped whenever a struct or a signature below changes */
+#define SD_ABI 4           /* bumped whenever a struct or a signature below changes */
 #define PANEL 16           /* output columns per packed panel */
 #define CHUNK 64           /* rows whose inputs stay in cache while every panel passes over them */
 #define QBLOCK 32          /* inputs per int8 scale of the a8 kinds' activations */
@@ -107,6 +107,11 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND
  * Q4 (a8): 4-bit codes, octet i of inputs 8i..8i+7 at byte [((p*(K/8) + i)*16 + c)*4 + j]:
  *     input 8i + j in the low nibble, 8i + 4 + j in the high one; w = (code - offset) * scale
  *     (+ zero).
+ * a8 kinds with `kblock` 256 (GGUF K-quants) hold their scales as the file does instead of one
+ *     fp32 scale (and zero) per group: per panel and super-block of 256 inputs, at
+ *     scale + (p*(K/256) + s)*kb bytes: 16 fp32 d, then (if `zero`) 16 fp32 dmin, then 256/G
+ *     int8 sub-scales per column (group-major), then (if `zero`) 256/G int8 sub-minimums; the
+ *     group's scale is d * sc and its zero -(dmin * m), the same fp32 values as the tables.
  * Q5 (a8): 5-bit codes as Q4's nibbles plus a plane of fifth bits, `hbits`: for octet i of panel
  *     p, 16 bytes at ((p*(K/8) + i)*16): bit (h*64 + c*4 + j) is the fifth bit of input
  *     8i + 4h + j of column c (GGUF's Q5_0 / Q5_1 / Q5_K, at 0.69 bytes a weight, not 1.1). */
@@ -121,6 +126,7 @@ typedef struct {
     int32_t group;   /* inputs per scale of the grouped and a8 kinds: 16 or 32 */
     int32_t offset;  /* a8 kinds: the codes' offset */
     const uint8_t *hbits; /* Q5: the fifth bits; else NULL */
+    int64_t kblock;       /* a8 kinds: 256 where scales are held K-quant style, else 0 */
 } sd_mat;
 
 int sd_abi(void) { return SD_ABI; }
@@ -684,6 +690,33 @@ SD_INLINE int32_t group_correction(const sd_mat *m, int kind, const int32_t *s16
     return m->offset * s;
 }
 
+/* Group g's 16 scales and zeros (NULL: none) of panel p: straight from the fp32 tables, or
+ * computed into buf from the K-quant form (d * sc, -(dmin * m): exact in fp32). */
+SD_INLINE void group_scales(const sd_mat *m, int64_t p, int64_t g, const float **scale,
+                            const float **zero, float buf[2][PANEL]) {
+    int64_t G = m->group, NG = m->k / G;
+    if (!m->kblock) {
+        *scale = m->scale + (p * NG + g) * PANEL;
+        *zero = m->zero ? m->zero + (p * NG + g) * PANEL : NULL;
+        return;
+    }
+    int64_t per = 256 / G, sb = g / per, gi = g % per;
+    int64_t bytes = (m->zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
+    const uint8_t *base = (const uint8_t *)m->scale + (p * (m->k / 256) + sb) * bytes;
+    const float *d = (const float *)base;
+    const float *dmin = m->zero ? d + PANEL : NULL;
+    const int8_t *sc = (const int8_t *)(base + (m->zero ? 2 : 1) * PANEL * 4) + gi * PANEL;
+    for (int c = 0; c < PANEL; c++) buf[0][c] = d[c] * (float)sc[c];
+    *scale = buf[0];
+    if (dmin) {
+        const int8_t *mn = sc + per * PANEL; /* the sub-minimums follow the sub-scales */
+        for (int c = 0; c < PANEL; c++) buf[1][c] = -(dmin[c] * (float)mn[c]);
+        *zero = buf[1];
+    } else {
+        *zero = NULL;
+    }
+}
+
 /* R rows against NP panels of an a8 kind; out[j][r] receives panel p + j's row r (its sums
  * wait there between groups: the registers hold the integer sums of one group). */
 SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
@@ -735,6 +768,9 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
                 }
             }
         }
+        const float *gs[QNP_MAX], *gz[QNP_MAX];
+        float kbuf[QNP_MAX][2][PANEL];
+        for (int j = 0; j < NP; j++) group_scales(m, p + j, g, gs + j, gz + j, kbuf[j]);
         for (int r = 0; r < R; r++) {
             int64_t row = r0 + r;
             const int32_t *s16 = qr->s16 + row * (K / 16);
@@ -742,10 +778,8 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
             float dx = qr->d[row * (K / QBLOCK) + g * G / QBLOCK];
             float xs = qr->xs ? qr->xs[row * NG + g] : 0.0f;
             for (int j = 0; j < NP; j++) {
-                int64_t at = ((p + j) * NG + g) * PANEL;
                 float *yp = out[j][orow + r];
-                y_store(yp, i_fold(acc[r][j], corr, dx, m->scale + at,
-                                   m->zero ? m->zero + at : NULL, xs, y_load(yp)));
+                y_store(yp, i_fold(acc[r][j], corr, dx, gs[j], gz[j], xs, y_load(yp)));
             }
         }
     }

@@ -51,7 +51,7 @@ from specdecode.errors import SpecDecodeError
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
-ABI = 3  # kernels.c SD_ABI
+ABI = 4  # kernels.c SD_ABI
 PANEL = 16  # kernels.c: output columns per packed panel
 GROUP = 32  # inputs per scale of the 4-bit and grouped int8 formats (Q6_K blocks: 16)
 QBLOCK = 32  # kernels.c: inputs per int8 scale of the a8 kinds' activations
@@ -94,7 +94,8 @@ log = logging.getLogger(__name__)
 class SdMat(ctypes.Structure):
     _fields_ = [("w", _P), ("scale", _P), ("zero", _P), ("bias", _P), ("n", _I), ("k", _I),
                 ("kind", ctypes.c_int32), ("round_x", ctypes.c_int32),
-                ("group", ctypes.c_int32), ("offset", ctypes.c_int32), ("hbits", _P)]
+                ("group", ctypes.c_int32), ("offset", ctypes.c_int32), ("hbits", _P),
+                ("kblock", _I)]
 
 
 class SdAttn(ctypes.Structure):
@@ -226,7 +227,7 @@ def trial(lib: ctypes.CDLL) -> str | None:
     """Every weight kind at 1..12 and 70 rows: None if each row alone equals the same row in
     every block, else what differed. Run in a child (a fault must not kill the caller)."""
     gen = torch.Generator().manual_seed(0)
-    n, k = 40, 64
+    n, k = 40, 256
     x = torch.randn(70, k, generator=gen)
     codes4 = torch.randint(0, 16, (n, k), generator=gen)
     codes8 = torch.randint(-127, 128, (n, k), generator=gen)
@@ -240,6 +241,10 @@ def trial(lib: ctypes.CDLL) -> str | None:
         "q4": pack_q4(codes4, s, z, offset=8), "q8": pack_q8(codes8 + 128, s16, None,
                                                            offset=128, group=16),
         "q5": pack_q5((codes8 + 128) >> 3, s, None, offset=16),
+        "q4k": pack_q4(codes4, s, z, kscales=KScales(
+            s[:, :1] * 0.1, s[:, 1:2] * 0.1, torch.randint(0, 64, (n, 1, 8), generator=gen,
+                                                           dtype=torch.int8),
+            torch.randint(0, 64, (n, 1, 8), generator=gen, dtype=torch.int8))),
     }
     for name, panels in cases.items():
         mat = panels.struct()
@@ -411,16 +416,17 @@ class Panels:
     group: int = 0  # inputs per scale (grouped and a8 kinds)
     offset: int = 0  # a8 kinds: value = code - offset
     hbits: torch.Tensor | None = None  # Q5: the plane of fifth bits
+    kblock: int = 0  # 256: `scale` holds K-quant super-block tables (KScales), `zero` marks mins
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.zero,
-                                                           self.hbits) if t is not None)
+        held = {id(t): t for t in (self.w, self.scale, self.zero, self.hbits) if t is not None}
+        return sum(t.numel() * t.element_size() for t in held.values())
 
     def struct(self) -> SdMat:
         return SdMat(_ptr(self.w), _ptr(self.scale), _ptr(self.zero), _ptr(self.bias), self.n,
                      self.k, self.kind, int(self.round_x), self.group, self.offset,
-                     _ptr(self.hbits))
+                     _ptr(self.hbits), self.kblock)
 
 
 def _panelled(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
@@ -497,8 +503,52 @@ def _quads(codes: torch.Tensor) -> torch.Tensor:
     return c.view(c.shape[0], PANEL, k // 4, 4).transpose(1, 2).contiguous()
 
 
+@dataclass(frozen=True)
+class KScales:
+    """A K-quant's scales as the file holds them, per output row and super-block of 256
+    inputs: d and (with minimums) dmin fp32 (n, S), and per group the int8 sub-scale and
+    sub-minimum (n, S, 256 / group): scale = d * sc, zero = -(dmin * m)."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor | None
+    sc: torch.Tensor
+    m: torch.Tensor | None
+
+    def table(self) -> torch.Tensor:
+        """kernels.c's layout: (P, S, bytes) uint8, per panel and super-block 16 d, [16 dmin],
+        the sub-scales group-major, [the sub-minimums]."""
+        def floats(t: torch.Tensor) -> torch.Tensor:  # (n, S) -> (P, S, 64) bytes
+            return _panelled(t.float()).transpose(1, 2).contiguous().view(torch.uint8)
+
+        def ints(t: torch.Tensor) -> torch.Tensor:  # (n, S, per) -> (P, S, per * 16) bytes
+            q = _panelled(t.to(torch.int8)).permute(0, 2, 3, 1).contiguous()
+            return q.view(torch.uint8).reshape(q.shape[0], q.shape[1], -1)
+
+        parts = [floats(self.d)] + ([floats(self.dmin)] if self.dmin is not None else [])
+        parts += [ints(self.sc)] + ([ints(self.m)] if self.m is not None else [])
+        return torch.cat(parts, dim=-1).contiguous()
+
+    def per_group(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, zero) per row and group, fp32, as the kernels compute them."""
+        scale = (self.d[..., None] * self.sc.float()).reshape(self.d.shape[0], -1)
+        if self.dmin is None or self.m is None:
+            return scale, None
+        return scale, (-(self.dmin[..., None] * self.m.float())).reshape(self.d.shape[0], -1)
+
+
+def _with_kscales(p: Panels, k: KScales | None) -> Panels:
+    if k is None:
+        return p
+    if p.k % 256:
+        raise ValueError(f"K-quant scales need inputs in blocks of 256, got {p.k}")
+    table = k.table()
+    return dataclasses.replace(p, scale=table, zero=table if k.dmin is not None else None,
+                               kblock=256)
+
+
 def pack_q8(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP) -> Panels:
+            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP,
+            kscales: KScales | None = None) -> Panels:
     """Byte codes 0..255 for the integer-activation (a8) products: w[n][k] = (codes[n][k] -
     offset) * scales[n][k // group] (+ zeros[...])."""
     n, k = codes.shape
@@ -507,12 +557,14 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
         raise ValueError(f"a8 panels need inputs divisible by {QBLOCK}, got {k}")
     if codes.min() < 0 or codes.max() > 255:
         raise ValueError("a8 byte codes must lie in 0..255")
-    return Panels(KIND_Q8, _quads(codes), n, k, scale=_group_table(scales),
-                  zero=_group_table(zeros), bias=_bias(bias), group=group, offset=offset)
+    return _with_kscales(Panels(KIND_Q8, _quads(codes), n, k, scale=_group_table(scales),
+                                zero=_group_table(zeros), bias=_bias(bias), group=group,
+                                offset=offset), kscales)
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP) -> Panels:
+            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP,
+            kscales: KScales | None = None) -> Panels:
     """4-bit codes 0..15 for the a8 products: w = (code - offset) * scale (+ zero); octet i of
     inputs 8i..8i+7: input 8i + j in the low nibble of byte j, 8i + 4 + j in the high one."""
     n, k = codes.shape
@@ -521,18 +573,21 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
         raise ValueError(f"a8 panels need inputs divisible by {QBLOCK}, got {k}")
     q = _quads(codes)  # (P, k / 4, 16, 4)
     w = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # (P, k / 8, 16, 4)
-    return Panels(KIND_Q4, w, n, k, scale=_group_table(scales), zero=_group_table(zeros),
-                  bias=_bias(bias), group=group, offset=offset)
+    return _with_kscales(Panels(KIND_Q4, w, n, k, scale=_group_table(scales),
+                                zero=_group_table(zeros), bias=_bias(bias), group=group,
+                                offset=offset), kscales)
 
 
 def pack_q5(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP) -> Panels:
+            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP,
+            kscales: KScales | None = None) -> Panels:
     """5-bit codes 0..31 for the a8 products: the low four bits as pack_q4 lays them out, the
     fifth in a bit plane (16 bytes per octet of inputs and panel: bit h*64 + c*4 + j is input
     8i + 4h + j of column c)."""
     if codes.min() < 0 or codes.max() > 31:
         raise ValueError("5-bit codes must lie in 0..31")
-    low = pack_q4(codes & 0xF, scales, zeros, bias, offset=offset, group=group)
+    low = pack_q4(codes & 0xF, scales, zeros, bias, offset=offset, group=group,
+                  kscales=kscales)
     q = _quads(codes >> 4)  # (P, k / 4, 16, 4) of 0/1: quad 2i + h of octet i
     bits = q.reshape(q.shape[0], -1, 2, PANEL * 4)  # (P, k / 8, h, c * 4 + j)
     weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 1, 8)
@@ -545,11 +600,38 @@ def _per_group(t: torch.Tensor | None, p: Panels) -> torch.Tensor | None:
     return None if t is None else t.transpose(1, 2).reshape(-1, p.k // p.group)[: p.n]
 
 
+def _kscales_of(p: Panels) -> KScales:
+    """The K-quant form back from kernels.c's table (the inverse of KScales.table)."""
+    assert p.scale is not None
+    per, S, P = 256 // p.group, p.k // 256, p.scale.shape[0]
+    has_min = p.zero is not None
+    t = p.scale.view(P, S, -1)
+
+    def floats(at: int) -> torch.Tensor:  # (P, S, 64 bytes) -> (n, S)
+        f = t[..., at:at + 64].contiguous().view(torch.float32)  # (P, S, 16)
+        return f.permute(0, 2, 1).reshape(P * PANEL, S)[: p.n]
+
+    def ints(at: int) -> torch.Tensor:  # (P, S, per * 16) -> (n, S, per)
+        q = t[..., at:at + per * PANEL].contiguous().view(torch.int8).view(P, S, per, PANEL)
+        return q.permute(0, 3, 1, 2).reshape(P * PANEL, S, per)[: p.n]
+
+    at = 128 if has_min else 64
+    return KScales(floats(0), floats(64) if has_min else None, ints(at),
+                   ints(at + per * PANEL) if has_min else None)
+
+
+def _scale_zero(p: Panels) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n, k / group) scales and zeros (or None) of grouped or a8 panels."""
+    if p.kblock:
+        return _kscales_of(p).per_group()
+    scale = _per_group(p.scale, p)
+    assert scale is not None
+    return scale, _per_group(p.zero, p)
+
+
 def group_scales(p: Panels) -> torch.Tensor:
     """(n, k / group) scales of grouped or a8 panels."""
-    out = _per_group(p.scale, p)
-    assert out is not None
-    return out
+    return _scale_zero(p)[0]
 
 
 def codes_of(p: Panels) -> torch.Tensor:
@@ -583,8 +665,8 @@ def weight_of(p: Panels) -> torch.Tensor:
     if p.kind in (KIND_I4, KIND_I8G, *QUANT_KINDS):
         if p.kind in QUANT_KINDS:
             c = c - p.offset
-        scale = group_scales(p).repeat_interleave(p.group, 1)
-        zero = _per_group(p.zero, p)
+        scales, zero = _scale_zero(p)
+        scale = scales.repeat_interleave(p.group, 1)
         if zero is None:
             return c * scale
         return torch.addcmul(zero.repeat_interleave(p.group, 1), c, scale)
