@@ -238,7 +238,11 @@ def _draft_model(target: Target, draft_model: str, capacity: int,
         if sidecar_path(Path(draft_model).expanduser()).is_file():  # a subset-head export
             sub = load_gguf_draft(Path(draft_model).expanduser(), gguf_target)
             return DrafterFactory(lambda: DraftModelDrafter(sub, "draft-model", capacity))
-    loaded = load_model(draft_model, backend=target.backend if gguf_target else "auto")
+    # the draft on the target's own backend (llama.cpp), else where its family runs ("auto" of
+    # a draft: the cheapest step, models.precision.draft_default); its exactness does not
+    # matter (the target verifies every token), so it is not checked at load
+    loaded = load_model(draft_model, precision="auto",
+                        backend=target.backend if gguf_target else "auto", as_draft=True)
     draft = loaded.model
     check_vocab(target, draft, draft_model)
     if tokenizer is not None:  # same size is not the same tokens

@@ -222,7 +222,7 @@ def xtok_factory(
 
     if target_tok is None:
         raise SpecDecodeError("--drafter xtok needs the target's tokenizer")
-    loaded = load_model(draft_path)
+    loaded = load_model(draft_path, precision="auto", as_draft=True)  # a draft: not checked
     draft, draft_tok = loaded.model, loaded.tokenizer
     incremental = splits_at_spaces(draft_tok)
 

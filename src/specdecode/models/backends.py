@@ -43,6 +43,9 @@ class LoadRequest:
     gemv_copy: bool | None = None
     start: float = 0.0  # time.perf_counter() when the load began (LoadedModel.load_seconds)
     folder: tuple[Path, Path, str] | None = None  # loading.resolve_folder(spec), if resolved
+    # a drafter's model: what it drafts is verified by the target, so its own exactness does not
+    # matter and its load-time invariance check (seconds to minutes on a large model) is skipped
+    as_draft: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class Backend:
 
 def load_model(
     spec: str | None = None, precision: str = "fp32", backend: str = AUTO,
-    gemv_copy: bool | None = None, max_batch: int = 1,
+    gemv_copy: bool | None = None, max_batch: int = 1, as_draft: bool = False,
 ) -> LoadedModel:
     """Load --model (default: SmolLM2-135M-Instruct) on `backend` (auto: the native runner where
     the checkpoint's family has one, else transformers) at `precision` (Backend.precision).
@@ -97,10 +100,12 @@ def load_model(
     SPECDECODE_GEMV_COPY=0.
     max_batch: the largest batch the caller will run (the llama.cpp backend allocates a KV
     stream per row and per prompt being prefilled up front: 2 * max_batch + 2 of them).
+    as_draft: a drafter's model (LoadRequest.as_draft): no load-time invariance check.
     """
     from specdecode.models.loading import resolve_folder
 
-    request = LoadRequest(spec, precision, max_batch, gemv_copy, time.perf_counter())
+    request = LoadRequest(spec, precision, max_batch, gemv_copy, time.perf_counter(),
+                          as_draft=as_draft)
     if not is_auto(backend):
         return get(backend).load(request)
     folder = resolve_folder(spec)  # the checkpoint's family picks the backend
@@ -116,6 +121,8 @@ def load_on_native(request: LoadRequest) -> LoadedModel:
     from specdecode.models.tokenizer import Tokenizer
 
     precision = NATIVE.precision(request.precision)
+    if request.as_draft and precisions.is_auto(request.precision):
+        precision = precisions.draft_default()
     folder, source, name = request.folder or loading.resolve_folder(request.spec)
     cfg = config_from_hf(read_hf_config(folder), str(folder / "config.json"))
     record = precisions.get(precisions.resolve(precision, native=True))
@@ -132,7 +139,8 @@ def load_on_native(request: LoadRequest) -> LoadedModel:
         gemv_copy = os.environ.get("SPECDECODE_GEMV_COPY", "1") != "0"
     if gemv_copy and not exact and precisions.get(model.precision).gemv_copy:
         model.add_gemv_copies()
-    model.check_invariance(DEFAULT_WIDTH)  # of the kernels it runs on from here (gemv included)
+    if not request.as_draft:  # of the kernels it runs on from here (gemv included)
+        model.check_invariance(DEFAULT_WIDTH)
     return loading.LoadedModel(model, Tokenizer(folder), name, source, model.precision,
                                time.perf_counter() - request.start)
 
@@ -147,7 +155,8 @@ def load_on_transformers(request: LoadRequest) -> LoadedModel:
     TRANSFORMERS.precision(request.precision)  # refuses any other precision, before loading
     folder, source, name = request.folder or loading.resolve_folder(request.spec)
     model = load_transformers(folder)
-    model.check_invariance(DEFAULT_WIDTH)  # PyTorch's kernels: measured, refused if inexact
+    if not request.as_draft:  # PyTorch's kernels: measured, refused if inexact
+        model.check_invariance(DEFAULT_WIDTH)
     return loading.LoadedModel(model, Tokenizer(folder), name, source, model.precision,
                                time.perf_counter() - request.start)
 
@@ -169,7 +178,7 @@ def load_on_llamacpp(request: LoadRequest) -> LoadedModel:
     sequences: int | None = 2 * request.max_batch + 2
     if os.environ.get("SPECDECODE_LLAMACPP_SEQUENCES"):
         sequences = None  # the user's setting wins
-    model = load_llamacpp(source, cfg, sequences=sequences)
+    model = load_llamacpp(source, cfg, sequences=sequences, check=not request.as_draft)
     return loading.LoadedModel(model, Tokenizer(folder), name, source, precision,
                                time.perf_counter() - request.start)
 

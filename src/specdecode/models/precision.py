@@ -440,6 +440,16 @@ def native_default() -> str:
     return NATIVE_DEFAULT if _kernels().available() else REFERENCE.name
 
 
+DRAFT_DEFAULT = "checkpoint-a8"  # a native draft model's precision where the kernels build
+
+
+def draft_default() -> str:
+    """The precision a separate draft model loads at on the native runner: the cheapest step
+    that holds its checkpoint's weights (int8 activations: a draft's exactness is irrelevant,
+    the target verifies every token), else what "auto" means."""
+    return DRAFT_DEFAULT if _kernels().available() else native_default()
+
+
 def resolve(precision: str, native: bool) -> str:
     """The precision `precision` names: "auto" is native_default() on the native runner, else
     the reference; any other name is itself."""
