@@ -567,13 +567,19 @@ SD_INLINE __m512i q_high(__m512i codes, const uint8_t *h) {
 }
 SD_INLINE __m512i q_lo(__m512i b) { return _mm512_and_si512(b, _mm512_set1_epi8(0xf)); }
 SD_INLINE __m512i q_hi(__m512i b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0xf)); }
-SD_INLINE yv16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
-                     float xs, yv16 y) {
+SD_INLINE yv16 i_fold(i16v acc, int32_t corr, float dx, yv16 scale, yv16 zero, int has_zero,
+                      float xs, yv16 y) {
     __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(corr)));
-    y = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(dx)), _mm512_loadu_ps(scale), y);
-    if (zero) y = _mm512_fmadd_ps(_mm512_set1_ps(xs), _mm512_loadu_ps(zero), y);
+    y = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(dx)), scale, y);
+    if (has_zero) y = _mm512_fmadd_ps(_mm512_set1_ps(xs), zero, y);
     return y;
 }
+/* d * sc for 16 columns (exact: an fp16-exact d times a small integer) */
+SD_INLINE yv16 k_scale(const float *d, const int8_t *sc) {
+    __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)));
+    return _mm512_mul_ps(_mm512_loadu_ps(d), c);
+}
+SD_INLINE yv16 y_neg(yv16 v) { return _mm512_xor_ps(v, _mm512_set1_ps(-0.0f)); }
 #elif SD_ISA == 2
 typedef v16 yv16;
 SD_INLINE yv16 y_zero(void) { return v_zero(); }
@@ -627,20 +633,31 @@ SD_INLINE q64 q_high(q64 codes, const uint8_t *h) {
     q64 r = {_mm256_or_si256(codes.a, bits16(lo)), _mm256_or_si256(codes.b, bits16(hi))};
     return r;
 }
-SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
+SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, v16 scale, v16 zero, int has_zero,
                      float xs, v16 y) {
     __m256i c = _mm256_set1_epi32(corr);
     __m256 d = _mm256_set1_ps(dx);
     __m256 fa = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc.a, c)), d);
     __m256 fb = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc.b, c)), d);
-    y.a = _mm256_fmadd_ps(fa, _mm256_loadu_ps(scale), y.a);
-    y.b = _mm256_fmadd_ps(fb, _mm256_loadu_ps(scale + 8), y.b);
-    if (zero) {
+    y.a = _mm256_fmadd_ps(fa, scale.a, y.a);
+    y.b = _mm256_fmadd_ps(fb, scale.b, y.b);
+    if (has_zero) {
         __m256 s = _mm256_set1_ps(xs);
-        y.a = _mm256_fmadd_ps(s, _mm256_loadu_ps(zero), y.a);
-        y.b = _mm256_fmadd_ps(s, _mm256_loadu_ps(zero + 8), y.b);
+        y.a = _mm256_fmadd_ps(s, zero.a, y.a);
+        y.b = _mm256_fmadd_ps(s, zero.b, y.b);
     }
     return y;
+}
+SD_INLINE v16 k_scale(const float *d, const int8_t *sc) {
+    __m128i b = _mm_loadu_si128((const __m128i *)sc);
+    v16 r = {_mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))),
+             _mm256_mul_ps(_mm256_loadu_ps(d + 8),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))))};
+    return r;
+}
+SD_INLINE v16 y_neg(v16 v) {
+    v16 r = {_mm256_xor_ps(v.a, _mm256_set1_ps(-0.0f)), _mm256_xor_ps(v.b, _mm256_set1_ps(-0.0f))};
+    return r;
 }
 #else
 typedef v16 yv16;
@@ -668,15 +685,21 @@ SD_INLINE q64 q_high(q64 codes, const uint8_t *h) {
     for (int i = 0; i < 64; i++) codes.b[i] |= (uint8_t)(((h[i / 8] >> (i % 8)) & 1) << 4);
     return codes;
 }
-SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, const float *scale, const float *zero,
+SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, v16 scale, v16 zero, int has_zero,
                      float xs, v16 y) {
     for (int c = 0; c < PANEL; c++) {
         float f = (float)(acc.v[c] - corr) * dx;
-        y.f[c] = fmaf(f, scale[c], y.f[c]);
-        if (zero) y.f[c] = fmaf(xs, zero[c], y.f[c]);
+        y.f[c] = fmaf(f, scale.f[c], y.f[c]);
+        if (has_zero) y.f[c] = fmaf(xs, zero.f[c], y.f[c]);
     }
     return y;
 }
+SD_INLINE v16 k_scale(const float *d, const int8_t *sc) {
+    v16 r;
+    for (int c = 0; c < PANEL; c++) r.f[c] = d[c] * (float)sc[c];
+    return r;
+}
+SD_INLINE v16 y_neg(v16 v) { for (int c = 0; c < PANEL; c++) v.f[c] = -v.f[c]; return v; }
 #endif
 
 /* The correction that turns a group's raw dot products into sum (code - offset) * q, and
@@ -690,31 +713,23 @@ SD_INLINE int32_t group_correction(const sd_mat *m, int kind, const int32_t *s16
     return m->offset * s;
 }
 
-/* Group g's 16 scales and zeros (NULL: none) of panel p: straight from the fp32 tables, or
- * computed into buf from the K-quant form (d * sc, -(dmin * m): exact in fp32). */
-SD_INLINE void group_scales(const sd_mat *m, int64_t p, int64_t g, const float **scale,
-                            const float **zero, float buf[2][PANEL]) {
+/* Group g's 16 scales and zeros of panel p: straight from the fp32 tables, or computed from
+ * the K-quant form (d * sc, -(dmin * m): exact in fp32, so the same values). */
+SD_INLINE void group_scales(const sd_mat *m, int64_t p, int64_t g, yv16 *scale, yv16 *zero) {
     int64_t G = m->group, NG = m->k / G;
     if (!m->kblock) {
-        *scale = m->scale + (p * NG + g) * PANEL;
-        *zero = m->zero ? m->zero + (p * NG + g) * PANEL : NULL;
+        *scale = y_load(m->scale + (p * NG + g) * PANEL);
+        *zero = m->zero ? y_load(m->zero + (p * NG + g) * PANEL) : y_zero();
         return;
     }
     int64_t per = 256 / G, sb = g / per, gi = g % per;
     int64_t bytes = (m->zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
     const uint8_t *base = (const uint8_t *)m->scale + (p * (m->k / 256) + sb) * bytes;
     const float *d = (const float *)base;
-    const float *dmin = m->zero ? d + PANEL : NULL;
     const int8_t *sc = (const int8_t *)(base + (m->zero ? 2 : 1) * PANEL * 4) + gi * PANEL;
-    for (int c = 0; c < PANEL; c++) buf[0][c] = d[c] * (float)sc[c];
-    *scale = buf[0];
-    if (dmin) {
-        const int8_t *mn = sc + per * PANEL; /* the sub-minimums follow the sub-scales */
-        for (int c = 0; c < PANEL; c++) buf[1][c] = -(dmin[c] * (float)mn[c]);
-        *zero = buf[1];
-    } else {
-        *zero = NULL;
-    }
+    *scale = k_scale(d, sc);
+    /* -(dmin * m): the sub-minimums follow the sub-scales */
+    *zero = m->zero ? y_neg(k_scale(d + PANEL, sc + per * PANEL)) : y_zero();
 }
 
 /* R rows against NP panels of an a8 kind; out[j][r] receives panel p + j's row r (its sums
@@ -768,9 +783,9 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
                 }
             }
         }
-        const float *gs[QNP_MAX], *gz[QNP_MAX];
-        float kbuf[QNP_MAX][2][PANEL];
-        for (int j = 0; j < NP; j++) group_scales(m, p + j, g, gs + j, gz + j, kbuf[j]);
+        yv16 gs[QNP_MAX], gz[QNP_MAX];
+        int has_zero = m->zero != NULL;
+        for (int j = 0; j < NP; j++) group_scales(m, p + j, g, gs + j, gz + j);
         for (int r = 0; r < R; r++) {
             int64_t row = r0 + r;
             const int32_t *s16 = qr->s16 + row * (K / 16);
@@ -779,7 +794,7 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
             float xs = qr->xs ? qr->xs[row * NG + g] : 0.0f;
             for (int j = 0; j < NP; j++) {
                 float *yp = out[j][orow + r];
-                y_store(yp, i_fold(acc[r][j], corr, dx, gs[j], gz[j], xs, y_load(yp)));
+                y_store(yp, i_fold(acc[r][j], corr, dx, gs[j], gz[j], has_zero, xs, y_load(yp)));
             }
         }
     }
