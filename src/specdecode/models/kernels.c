@@ -61,12 +61,15 @@
 #define SD_FP512 1
 #endif
 #if SD_ISA == 3
+#define YREG_MAX 8   /* a8: blocks of at most this many rows x panels keep their sums in zmm */
 #define QROWS_MAX 12 /* a8: rows sharing one pass over a panel */
 #define QNP_MAX 8
 #elif SD_ISA == 2
+#define YREG_MAX 0
 #define QROWS_MAX 4 /* two ymm of sums per row: the other registers hold weights */
 #define QNP_MAX 4
 #else
+#define YREG_MAX 0
 #define QROWS_MAX 6
 #define QNP_MAX 4
 #endif
@@ -742,8 +745,14 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
 #else
     const int signed_w = kind == KIND_Q8 && m->offset == 128;
 #endif
+    /* a small block keeps its fp32 sums in registers too; a large one in the output buffer */
+    const int yreg = R * NP <= YREG_MAX;
+    yv16 y[QROWS_MAX][QNP_MAX];
     for (int j = 0; j < NP; j++)
-        for (int r = 0; r < R; r++) memset(out[j][orow + r], 0, sizeof(float) * PANEL);
+        for (int r = 0; r < R; r++) {
+            if (yreg) y[r][j] = y_zero();
+            else memset(out[j][orow + r], 0, sizeof(float) * PANEL);
+        }
     const uint8_t *w = (const uint8_t *)m->w;
 #ifdef SD_BROKEN_WIDTH
     for (int64_t g = R > 1 ? NG - 1 : 0; R > 1 ? g >= 0 : g < NG; g += R > 1 ? -1 : 1) {
@@ -794,10 +803,14 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
             float xs = qr->xs ? qr->xs[row * NG + g] : 0.0f;
             for (int j = 0; j < NP; j++) {
                 float *yp = out[j][orow + r];
-                y_store(yp, i_fold(acc[r][j], corr, dx, gs[j], gz[j], has_zero, xs, y_load(yp)));
+                if (yreg) y[r][j] = i_fold(acc[r][j], corr, dx, gs[j], gz[j], has_zero, xs, y[r][j]);
+                else y_store(yp, i_fold(acc[r][j], corr, dx, gs[j], gz[j], has_zero, xs, y_load(yp)));
             }
         }
     }
+    if (yreg)
+        for (int j = 0; j < NP; j++)
+            for (int r = 0; r < R; r++) y_store(out[j][orow + r], y[r][j]);
 }
 
 #define QROWS(NP, R) qpanel_rows(qr, r0, m, kind, p, NP, R, out)
