@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -92,7 +93,8 @@ def launch(name: str, port: int, threads: int, draft_max: int) -> Launch:
                              "--n_ctx", "4096", "--verbose", "False"], "/v1/models", env)
     if name in ("server", "server-md"):
         cmd = [llama_server_binary(), "-m", model_path(TARGET), "--host", "127.0.0.1",
-               "--port", str(port), "-t", str(threads), "-c", "4096", "-np", "1"]
+               "--port", str(port), "-t", str(threads), "-c", "4096", "-np", "1",
+               "--metrics"]  # its spec_decode_* counters, under vLLM's names
         if name == "server-md":
             cmd += ["-md", model_path(DRAFT), "--spec-draft-n-max", str(draft_max)]
         return Launch(name, cmd, "/health", env)
@@ -135,14 +137,18 @@ class Server:
             self.proc.wait()
 
 
-def write_workload(source: str, per_category: int, coding_all: bool, dest: Path) -> int:
-    """The first `per_category` prompts of each category (all of coding with `coding_all`)."""
+def write_workload(source: str, per_category: int, coding_all: bool, dest: Path,
+                   categories: list[str] | None = None) -> int:
+    """The first `per_category` prompts of each category (all of coding with `coding_all`),
+    of `categories` only where given."""
     taken: dict[str, int] = {}
     lines = []
     for line in Path(source).read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
         category = json.loads(line).get("category", "")
+        if categories and category not in categories:
+            continue
         limit = 10**9 if coding_all and category == "coding" else per_category
         if taken.get(category, 0) < limit:
             taken[category] = taken.get(category, 0) + 1
@@ -173,6 +179,7 @@ def main() -> int:
                    help=f"comma-separated, the baseline first ({', '.join(SYSTEMS)})")
     p.add_argument("--workload", default=SPECBENCH)
     p.add_argument("--per-category", type=int, default=4)
+    p.add_argument("--categories", default=None, help="comma-separated (default: all 13)")
     p.add_argument("--no-coding-all", dest="coding_all", action="store_false")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="1")
@@ -186,7 +193,10 @@ def main() -> int:
     log = args.out / "commands.log"
     names = args.systems.split(",")
     workload = args.out / "workload.jsonl"
-    n = write_workload(args.workload, args.per_category, args.coding_all, workload)
+    n = write_workload(args.workload, args.per_category, args.coding_all, workload,
+                       args.categories.split(",") if args.categories else None)
+    # a SIGTERM stops the servers too (the ExitStack below), as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"{n} prompts; systems {', '.join(names)}", file=sys.stderr)
     if args.costs:
         costs(args.out, args.threads, log)
