@@ -50,6 +50,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 
 SOURCE = Path(__file__).with_name("kernels.c")
+HEADERS = (Path(__file__).with_name("kernels_fp.h"),)  # included by kernels.c
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
 ABI = 4  # kernels.c SD_ABI
 PANEL = 16  # kernels.c: output columns per packed panel
@@ -170,7 +171,8 @@ def compile_path(path: KernelPath, cc: str | None = None, extra: tuple[str, ...]
         raise KernelError(f"the C compiler {cc} does not run: {e}") from e
     flags = (*FLAGS, *path.flags, *extra)
     key = hashlib.sha256(b"\0".join(
-        [SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
+        [SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(flags).encode(),
+         version.encode(),
          " ".join(sorted(cpu_flags())).encode(), path.name.encode()])).hexdigest()[:16]
     folder = _cache_dir()
     target = folder / f"libspecdecode-{path.name}-{key}.so"
