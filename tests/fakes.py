@@ -30,6 +30,7 @@ from specdecode.bench.records import (
 from specdecode.bench.runner import RunnerDescription, effective_temperature, request_seed
 from specdecode.bench.workloads import Prompt, Workload
 from specdecode.drafters.base import Draft, Drafter, DraftRequest
+from specdecode.models.invariance import Invariance
 
 DEFAULT_TOKENS = 32
 
@@ -282,8 +283,15 @@ class FakeTargetsRunner:
 
 
 class LookupTarget:
-    """A stand-in target for drafters that never run the target (prompt lookups): the two
-    attributes of models.target.Target the drafter registry reads before making them."""
+    """A stand-in target for drafters that never run the target (prompt lookups): what of
+    models.target.Target the drafter registry reads before making them. It scores nothing, so
+    its check finds every shape exact (the registry's refusal of a target that is not is tested
+    on real models: test_precision, test_invariance)."""
 
     precision = "fp32"
-    invariance = None
+    backend = "native"
+    invariance: Invariance | None = None
+
+    def check_invariance(self, width: int) -> Invariance:
+        self.invariance = Invariance(widths=0.0, rows=0.0, chunks=0.0, width=width)
+        return self.invariance

@@ -128,7 +128,10 @@ def test_generate_on_a_small_hf_folder(tiny: Path) -> None:
 # Subcommands that run no model for inference, so take none of the measurement flags (or only
 # --threads): compare reads reports, export converts files, the trainers train the fp32 target.
 NO_MEASUREMENT_FLAGS = {"compare": (), "export": (), "train heads": ("--threads",),
-                        "train draft": ("--threads",)}
+                        "train draft": ("--threads",),
+                        # files on disk: installing, listing and checking them runs no model
+                        **{f"models {c}": () for c in ("install", "list", "card", "path",
+                                                        "verify")}}
 
 
 def subcommands(parser: argparse.ArgumentParser, prefix: str = ""
