@@ -39,6 +39,7 @@ from specdecode.models.config import config_from_hf, read_hf_config
 from specdecode.models.loading import load_native
 from specdecode.sampling import SamplingParams, probs_from_logits
 from tests.conftest import make_checkpoint
+from tests.identity import assert_identical
 from tests.test_engine_sampled import FALSE_ALARM, SAMPLES, gof_p_value  # one chi-square setup
 
 llguidance = pytest.importorskip("llguidance")
@@ -182,13 +183,15 @@ def test_greedy_constrained_speculation_is_plain_constrained_decoding(
         models: Any, regex: Constraint, name: str, k: int) -> None:
     target, draft = models
     params = SamplingParams(max_tokens=24)
+    runs, plains = [], []
     for prompt in ([3, 3, 9, 12, 3, 3, 9], [14, 2], [9, 9, 2]):
         plain = run(target, None, 0, params, regex, prompt)
-        spec = run(target, DRAFTERS[name](draft), k, params, regex, prompt)
-        assert spec.output == plain.output
+        runs.append(run(target, DRAFTERS[name](draft), k, params, regex, prompt))
+        plains.append(plain.output)
         assert allowed_by(regex, plain.output)
         unconstrained = run(target, None, 0, params, None, prompt)
         assert not allowed_by(regex, unconstrained.output)  # the constraint did something
+    assert_identical(runs, plains, f"{name} k={k} under a regex")
 
 
 def test_batched_requests_with_different_constraints_match_alone(models: Any,
@@ -201,7 +204,7 @@ def test_batched_requests_with_different_constraints_match_alone(models: Any,
     gens = [Generation(target, None, [4 + i, 9], params, DraftModelDrafter(draft), 3, (EOS,),
                        constraint=s) for i, s in enumerate(specs)]
     run_batch(BatchEngine(target, 2, 64), gens)
-    assert [g.output for g in gens] == alone
+    assert_identical(gens, alone, "constrained rows")
 
 
 def test_forced_tokens_are_emitted_unscored_and_change_nothing(
@@ -292,11 +295,13 @@ def test_seeded_constrained_speculation_is_plain_constrained_sampling(
     """Rule invariant: with a constraint too, a seed gives plain decoding's tokens, for a model
     drafter (its q drawn inside the mask with the target's noise) and a lookup (cut drafts)."""
     target, draft = models
-    for seed in range(40):
-        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=seed)
-        plain = run(target, None, 0, params, regex).output
-        for make in (lambda: DraftModelDrafter(draft), lambda: NgramDrafter(2, 1)):
-            assert run(target, make(), 3, params, regex).output == plain, seed
+    for make in (lambda: DraftModelDrafter(draft), lambda: NgramDrafter(2, 1)):
+        runs, plains = [], []
+        for seed in range(40):
+            params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=seed)
+            plains.append(run(target, None, 0, params, regex).output)
+            runs.append(run(target, make(), 3, params, regex))
+        assert_identical(runs, plains, f"seeded under a regex: {runs[0].drafter.name}")
 
 
 def _q_unmasked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,7 +377,7 @@ def test_smollm_json_schema_output_validates_and_speculation_is_identical(smollm
             pass
         outputs.append(gen)
     plain, speculative = outputs
-    assert speculative.output == plain.output
+    assert_identical([speculative], [plain.output], "ngram+w4a16 under a JSON schema")
     assert plain.finish_reason == "stop" and plain.counters.forced > 0
     jsonschema_rs.validate(SCHEMA, json.loads(tok.decode(plain.output)))
 

@@ -17,6 +17,7 @@ from specdecode.models.backends import load_model
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint
+from tests.identity import assert_identical
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
@@ -59,9 +60,8 @@ def test_the_documented_example_drafter_is_greedy_identical_to_plain_decoding(
     plain = run(tiny.model, prompt, None, 0, params)
     drafter = cls()
     spec = run(tiny.model, prompt, drafter, 4, params)
-    assert spec.output == plain.output
-    c = spec.counters
-    assert c.drafted > 0  # it did draft; its own feedback counts agree with the engine's
+    assert_identical([spec], [plain.output], str(prompt))
+    c = spec.counters  # its own feedback counts agree with the engine's
     assert (drafter.proposed, drafter.accepted) == (c.drafted, c.accepted)  # type: ignore[attr-defined]
 
 

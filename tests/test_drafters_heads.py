@@ -21,6 +21,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.cards import weights_sha256
 from specdecode.sampling import SamplingParams, probs_from_logits
 from specdecode.train.heads import target_features, write_heads
+from tests.identity import assert_identical
 from tests.test_drafters_layerskip import first_token_distribution
 from tests.test_drafters_ngram import DESIGN_TV, FALSE_ALARM, V, audit, tiny_model
 
@@ -74,8 +75,9 @@ def test_greedy_output_is_plain_decodings_for_every_k(
     plain = decode(tiny, None, 0, 24).output
     for k in range(1, 9):
         gen = decode(tiny, HeadsDrafter(heads, capacity=64), k, 24)
-        assert gen.output == plain, f"k={k}"
-        assert gen.counters.drafted > 0, f"k={k}: the drafter got features and drafted"
+        # untrained heads: their drafts are rejected (the rejection path and the feature
+        # hook); heads' drafts accepted: tests/test_invariant.py (seeded sampling)
+        assert_identical([gen], [plain], f"k={k}", require_accepted=False)
 
 
 def test_batch_engine_gives_each_request_its_plain_output(
@@ -89,7 +91,7 @@ def test_batch_engine_gives_each_request_its_plain_output(
             Generation(tiny, None, prompts[2], SamplingParams(max_tokens=16),
                        HeadsDrafter(small_heads, 64), 5)]
     run_batch(BatchEngine(tiny, max_batch=2, max_seq_len=64, prefill_chunk=2), gens)
-    assert [g.output for g in gens] == plain
+    assert_identical(gens, plain, "heads in a batch", require_accepted=False)  # untrained
 
 
 def decode_prompt(model: torch.nn.Module, prompt: list[int], drafter: HeadsDrafter | None,

@@ -26,6 +26,7 @@ from specdecode.models.loading import LoadedModel
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams, probs_from_logits
 from tests.fakes import LookupTarget
+from tests.identity import assert_identical
 from tests.test_drafters_ngram import (
     DESIGN_TV,
     FALSE_ALARM,
@@ -61,8 +62,7 @@ def test_greedy_output_is_plain_decodings_for_every_k(smollm: LoadedModel) -> No
         max_tokens = 32 if k == 3 else 8
         drafter = factory()
         gen = generate(smollm, prompt, max_tokens, drafter, k)
-        assert gen.output == plain[:max_tokens], f"k={k}"
-        assert gen.counters.accepted > 0, f"k={k}: 27 of 30 blocks agree often with all 30"
+        assert_identical([gen], [plain[:max_tokens]], f"k={k} (27 of 30 blocks agree often)")
         assert drafter.cache is None  # type: ignore[attr-defined]  # it drafted in the target's
 
 

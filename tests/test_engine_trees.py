@@ -25,6 +25,7 @@ from specdecode.sampling import SamplingParams, probs_from_logits, sample
 from specdecode.trees import best_path, chain_confidences, keep_best, layout
 from specdecode.verify import without_replacement
 from tests.conftest import make_checkpoint
+from tests.identity import assert_identical
 from tests.test_engine_sampled import (
     FALSE_ALARM,
     PARAMS,
@@ -99,7 +100,7 @@ def test_greedy_tree_is_token_identical_at_batch_1(models: Any, k: int) -> None:
         gen = Generation(target, None, prompt, params, drafter, k)
         for _ in gen.run():
             pass
-        assert gen.output == expected
+        assert_identical([gen], [expected], f"oracle tree k={k}")
         # every step accepted its whole right path (depth min(k, 5)): trees really ran
         assert gen.counters.steps <= -(-TOKENS // (min(k, 5) + 1)) + 1
 
@@ -115,7 +116,7 @@ def test_greedy_tree_with_penalties_reads_each_nodes_own_path(models: Any) -> No
     gen = Generation(target, None, prompt, params, OracleTree(expected, len(prompt), 96), 4)
     for _ in gen.run():
         pass
-    assert gen.output == expected
+    assert_identical([gen], [expected], "penalties")
 
 
 def _no_compaction(self: KVCache, row: int, start: int, indices: torch.Tensor) -> None:
@@ -155,7 +156,7 @@ def test_greedy_trees_in_a_batch_are_token_identical(models: Any) -> None:
     gens = [Generation(target, None, p, params, d, k)
             for p, d, k in zip(prompts, drafters, ks, strict=True)]
     run_batch(BatchEngine(target, 3, 64), gens)  # 3 rows for 4 requests: one joins later
-    assert [g.output for g in gens] == expected
+    assert_identical(gens, expected, "trees in a batch")
 
 
 def test_a_target_without_tree_masks_verifies_the_best_path(models: Any) -> None:
@@ -345,15 +346,15 @@ def test_broken_tree_verifiers_are_rejected(models: Any, broken: str,
 def test_invariant_rule_tree_is_plain_seeded_output(models: Any, params: SamplingParams) -> None:
     """Rule "invariant": a sampled tree's output is plain seeded decoding's, token for token."""
     target, draft = models[0], models[1]
-    same = 0
+    gens, expected = [], []
     for seed in range(6):
         p = dataclasses.replace(params, seed=seed)
-        expected = plain_output(target, PROMPTS[seed % 3], p)
-        gen = Generation(target, None, PROMPTS[seed % 3], p, TreeSampler(draft, (2, 2, 1)), 3)
-        for _ in gen.run():
+        expected.append(plain_output(target, PROMPTS[seed % 3], p))
+        gens.append(Generation(target, None, PROMPTS[seed % 3], p,
+                               TreeSampler(draft, (2, 2, 1)), 3))
+        for _ in gens[-1].run():
             pass
-        same += gen.output == expected
-    assert same == 6
+    assert_identical(gens, expected, "sampled trees, rule invariant")
 
 
 class Branches(DraftModelDrafter):
@@ -372,21 +373,23 @@ def test_draft_model_sibling_leaves_are_token_identical(models: Any) -> None:
     """Greedy: a draft model proposing its second choice beside every token it is unsure of,
     drafting in its own cache (batch 1) and in the target's (a batch's rows, one forward per
     draft position), is plain greedy decoding token for token; branching really occurred."""
-    target, draft = models[0], models[1]
+    target = models[0]
     params = SamplingParams(max_tokens=TOKENS)
     expected = [plain_output(target, p, params) for p in PROMPTS]
-    made = []
-    for prompt, plain in zip(PROMPTS, expected, strict=True):
-        made.append(Branches(draft))
-        gen = Generation(target, None, prompt, params, made[-1], 4)
+    # the target's weights drafting in a cache of their own: a draft that agrees with the
+    # target, so accepted paths run (the tiny random draft model has nothing accepted here)
+    made = [Branches(target) for _ in PROMPTS]
+    alone = [Generation(target, None, prompt, params, d, 4)
+             for prompt, d in zip(PROMPTS, made, strict=True)]
+    for gen in alone:
         for _ in gen.run():
             pass
-        assert gen.output == plain
+    assert_identical(alone, expected, "sibling leaves, batch 1")
     in_cache = [Branches(target, in_cache=True) for _ in PROMPTS]
     gens = [Generation(target, None, p, params, d, 3)
             for p, d in zip(PROMPTS, in_cache, strict=True)]
     run_batch(BatchEngine(target, 3, 64), gens)
-    assert [g.output for g in gens] == expected
+    assert_identical(gens, expected, "sibling leaves in the target's cache, batch 3")
     assert sum(d.branched for d in made) > 5 and sum(d.branched for d in in_cache) > 0
 
 
@@ -400,14 +403,14 @@ def test_draft_model_sibling_leaves_match_target_distribution(models: Any) -> No
 def test_draft_model_sibling_leaves_invariant_rule_is_plain_seeded(models: Any) -> None:
     target, draft = models[0], models[1]
     params = SamplingParams(temperature=0.9, max_tokens=TOKENS)
+    gens, expected = [], []
     for seed in range(4):
         p = dataclasses.replace(params, seed=seed)
-        expected = plain_output(target, PROMPTS[seed % 3], p)
-        drafter = Branches(draft)
-        gen = Generation(target, None, PROMPTS[seed % 3], p, drafter, 3)
-        for _ in gen.run():
+        expected.append(plain_output(target, PROMPTS[seed % 3], p))
+        gens.append(Generation(target, None, PROMPTS[seed % 3], p, Branches(draft), 3))
+        for _ in gens[-1].run():
             pass
-        assert gen.output == expected
+    assert_identical(gens, expected, "sampled sibling leaves, rule invariant")
 
 
 def test_suffix_hybrid_is_token_identical_and_forwards_its_store(models: Any) -> None:
@@ -436,7 +439,7 @@ def test_suffix_hybrid_is_token_identical_and_forwards_its_store(models: Any) ->
             assert gen.trees
             for _ in gen.run():
                 pass
-            assert gen.output == expected
+            assert_identical([gen], [expected], "suffix+draft-model", require_accepted=False)
             used = [u + v for u, v in zip(used, hybrid.used, strict=True)]
             gen.release()  # stores the request under "alice"
     assert used[0] > 0 and used[1] > 0

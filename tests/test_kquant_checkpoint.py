@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from specdecode.errors import SpecDecodeError
+from tests.identity import assert_identical
 from tests.kquant_model import decode_q4_k, decode_q6_k, write_tiny_qwen2_kquant
 
 PROMPT = [5, 70, 300, 8, 5, 70, 3, 9, 100, 200, 11, 12]
@@ -136,15 +137,15 @@ def test_llamacpp_speculation_on_kquant_blocks_is_token_identical(gguf: Path) ->
     assert target.invariance is not None and target.invariance.exact, target.invariance
     draft = load_model(str(gguf), backend="llama.cpp").model
 
-    def run(drafter: Any, k: int) -> list[int]:
+    def run(drafter: Any, k: int) -> Generation:
         gen = Generation(target, None, PROMPT, SamplingParams(max_tokens=48), drafter, k)
         for _ in gen.run():
             pass
-        return list(gen.output)
+        return gen
 
-    plain = run(None, 0)
-    assert run(DraftModelDrafter(draft), 8) == plain
-    assert run(NgramDrafter(4, 1), 8) == plain
+    plain = run(None, 0).output
+    assert_identical([run(DraftModelDrafter(draft), 8), run(NgramDrafter(4, 1), 8)],
+                     [plain, plain], "K-quant blocks on llama.cpp, k = 8")
 
 
 _PROBE = """

@@ -22,6 +22,7 @@ from specdecode.bench.workloads import Prompt, load_default_workload, load_workl
 from specdecode.drafters.registry import drafter_factory
 from specdecode.engine import BatchEngine, Generation, run_batch
 from specdecode.sampling import SamplingParams
+from tests.identity import assert_identical
 
 if os.environ.get("SPECDECODE_REQUIRE_LLAMACPP") != "1":
     pytest.importorskip("llama_cpp")
@@ -66,7 +67,7 @@ def _plain(loaded: Any, ids: list[list[int]], tokens: list[int],
 
 
 def _speculative(loaded: Any, ids: list[list[int]], tokens: list[int], batch: int, k: int,
-                 params: list[SamplingParams] | None = None) -> list[list[int]]:
+                 params: list[SamplingParams] | None = None) -> list[Generation]:
     """ngram drafts; k fixed at batch 1 (Generation.step), else BatchEngine rows of `batch`."""
     make = drafter_factory("ngram", loaded.model)
     assert make is not None
@@ -81,17 +82,14 @@ def _speculative(loaded: Any, ids: list[list[int]], tokens: list[int], batch: in
         capacity = max(g.capacity for g in gens)
         for i in range(0, len(gens), batch):
             run_batch(BatchEngine(loaded.model, batch, capacity), gens[i:i + batch])
-    assert sum(g.counters.accepted for g in gens) > 0  # speculation happened
-    return [g.output for g in gens]
+    return gens
 
 
 def _check(loaded: Any, prompts: list[Prompt], tokens: list[int]) -> None:
     ids = _ids(loaded, prompts)
     plain = _plain(loaded, ids, tokens)
     for batch, k in ((1, 4), (4, 6)):
-        got = _speculative(loaded, ids, tokens, batch, k)
-        differ = [p.id for p, a, b in zip(prompts, got, plain, strict=True) if a != b]
-        assert not differ, f"batch {batch}: outputs differ from plain on {differ}"
+        assert_identical(_speculative(loaded, ids, tokens, batch, k), plain, f"batch {batch}")
 
 
 def test_seeded_sampling_is_token_identical_on_the_builtin_workload(target: Any) -> None:
@@ -104,9 +102,8 @@ def test_seeded_sampling_is_token_identical_on_the_builtin_workload(target: Any)
     params = [dataclasses.replace(settings[i % 2], seed=500 + i) for i in range(len(ids))]
     plain = _plain(target, ids, [64] * len(ids), params)
     for batch, k in ((1, 4), (4, 6)):
-        got = _speculative(target, ids, [64] * len(ids), batch, k, params)
-        differ = [p.id for p, a, b in zip(prompts, got, plain, strict=True) if a != b]
-        assert not differ, f"batch {batch}: seeded outputs differ from plain on {differ}"
+        assert_identical(_speculative(target, ids, [64] * len(ids), batch, k, params), plain,
+                         f"seeded, batch {batch}")
 
 
 def test_builtin_workload_is_token_identical(target: Any) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 from specdecode.models.catalog import QWEN_CODER_05B, QWEN_CODER_15B
 from specdecode.models.install import check_file, installed_path
+from tests.identity import assert_identical
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -47,18 +48,18 @@ def _prompt(loaded: Any, text: str) -> list[int]:
     return list(tok.encode_prompt(tok.apply_chat_template([{"role": "user", "content": text}])))
 
 
-def _greedy(loaded: Any, drafter: Any, k: Any) -> list[list[int]]:
+def _greedy(loaded: Any, drafter: Any, k: Any) -> list[Any]:
     from specdecode.engine import Generation
     from specdecode.sampling import SamplingParams
 
-    outs = []
+    gens = []
     for text in PROMPTS:
         gen = Generation(loaded.model, None, _prompt(loaded, text),
                          SamplingParams(max_tokens=TOKENS), drafter() if drafter else None, k)
         for _ in gen.run():
             pass
-        outs.append(list(gen.output))
-    return outs
+        gens.append(gen)
+    return gens
 
 
 @pytest.mark.parametrize("backend", ["native", "llama.cpp"])
@@ -72,13 +73,15 @@ def test_greedy_speculation_with_the_draft_is_token_identical(
     try:
         assert loaded.model.invariance is not None and loaded.model.invariance.exact, \
             loaded.exactness()
-        plain = _greedy(loaded, None, 0)
+        plain = [list(g.output) for g in _greedy(loaded, None, 0)]
         factory = drafter_factory(
             DrafterOptions("draft-model", draft_model=QWEN_CODER_05B.name), loaded.model,
             tokenizer=loaded.tokenizer)
         assert factory is not None
-        assert _greedy(loaded, factory, 4) == plain
+        assert_identical(_greedy(loaded, factory, 4), plain, f"the pair on {backend}")
         if backend == "llama.cpp":  # its plain decoding is llama-cpp-python's own
+            import llama_cpp.llama_cpp as low
+
             from specdecode.bench.inprocess import RequestTrace
             from specdecode.bench.peers import LlamaCppPeers
             from specdecode.sampling import SamplingParams
@@ -87,8 +90,6 @@ def test_greedy_speculation_with_the_draft_is_token_identical(
             # kernels round differently from the file's layout at every width: its greedy
             # output then departs at a near-tie (index 7 of the first prompt on a Xeon). Opened
             # as the backend opens the file, its own generate loop must equal ours.
-            import llama_cpp.llama_cpp as low
-
             default = low.llama_model_default_params
 
             def file_layout() -> Any:

@@ -52,6 +52,7 @@ from specdecode.verify import check_tree, tree_depths
 from tests.cli_run import run_cli
 from tests.conftest import make_checkpoint
 from tests.fakes import LookupTarget
+from tests.identity import assert_identical
 from tests.test_engine_sampled import (
     FALSE_ALARM,
     PARAMS,
@@ -849,15 +850,17 @@ def test_greedy_output_is_plain_decodings_at_batch_1(tiny: Any, name: str, k: in
     factory = drafter_factory(name, tiny)
     assert factory is not None
     assert tiny.supports_trees
-    accepted = branched = 0
+    branched = 0
+    gens, expected = [], []
     for prompt in (*PROMPTS, *PROMPTS):
         drafter = factory()
         assert isinstance(drafter, TreeLookupDrafter)
         watch = Watch(drafter)
-        gen = speculate(tiny, prompt, drafter, k)
-        assert gen.output == plain(tiny, prompt)
-        accepted, branched = accepted + watch.accepted, branched + watch.branched
-    assert accepted > 0 and (k == 1 or branched > 0)
+        gens.append(speculate(tiny, prompt, drafter, k))
+        expected.append(plain(tiny, prompt))
+        branched += watch.branched
+    assert_identical(gens, expected, f"{name} k={k}")
+    assert k == 1 or branched > 0
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -877,9 +880,8 @@ def test_greedy_output_is_plain_decodings_in_a_batch(tiny: Any, auto: bool) -> N
             for p, make, k in zip(prompts, makers, ks, strict=True)]
     engine = BatchEngine(tiny, 3, 128, controller=Controller(kmax=6) if auto else None)
     run_batch(engine, gens)
-    assert [g.output for g in gens] == [plain(tiny, p) for p in prompts]
+    assert_identical(gens, [plain(tiny, p) for p in prompts], f"trees in a batch, auto {auto}")
     assert len(suffix.store) == makers.count(suffix)  # every suffix request was stored
-    assert sum(g.counters.accepted for g in gens) > 0
 
 
 def related_store(target: Any, factory: SuffixFactory, prompt: list[int]) -> list[int]:
