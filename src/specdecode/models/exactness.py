@@ -25,6 +25,7 @@ from specdecode.models.target import Target
 
 ALLOW_INEXACT = "SPECDECODE_ALLOW_INEXACT"
 
+
 def allow_inexact() -> bool:
     """SPECDECODE_ALLOW_INEXACT: "1" lets a target that is not batch-invariant speculate, "0"
     or unset refuses; anything else is an error naming the value."""
@@ -54,9 +55,9 @@ def check_precision(precision: str) -> None:
     if why is None or allow_inexact():
         return
     raise SpecDecodeError(_inexact_message(f"--precision {precision}", why) +
-                          f" (--precision {', '.join(speculative_names())} are exact on the "
-                          f"row-invariant kernels; --drafter {precision} drafts with the "
-                          f"{precision} copy)")
+                          f" (--precision {', '.join(speculative_names())} run on the "
+                          "row-invariant kernels; a quantized copy of the target can still be "
+                          "the drafter)")
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,9 @@ class _Probe:
 
 def _rows(model: Any, probe: _Probe, nxt: torch.Tensor, other: torch.Tensor,
           ones: torch.Tensor) -> float:
-    """The compared sequence as row `at` of batches whose other rows hold another sequence at
-    other lengths, ragged: (rows, at, its new positions, the others' new positions)."""
+    """The compared sequence as row `at` of batches whose other rows hold other lengths of its
+    prefix (copied, not scored again) and score other tokens, ragged: (rows, at, its new
+    positions, the others' new positions)."""
     width, context = nxt.shape[1], probe.context
     shapes = [(2, 0, 1, 3), (2, 1, min(3, width), 3), (3, 1, min(3, width), 2),
               (2, 1, width, CHUNK_ROWS - width // 2)]  # the last straddles the 64-row chunk
@@ -176,10 +177,8 @@ def _rows(model: Any, probe: _Probe, nxt: torch.Tensor, other: torch.Tensor,
         batch = model.new_cache(rows, context + CHUNK_ROWS + width)
         batch.copy_row(at, probe.solo, 0, context)
         others = [r for r in range(rows) if r != at]
-        for i, r in enumerate(others):  # another sequence, at another length each
-            view = batch.view(r, 1)
-            model(other[:, : context // 2 + 3 + 5 * i], view, logits_for="none")
-            batch.lengths[r] = view.lengths[0]
+        for i, r in enumerate(others):  # another length each, and other tokens below
+            batch.copy_row(r, probe.solo, 0, context // 2 + 3 + 5 * i)
         T = max(mine, theirs)
         tokens = torch.zeros(rows, T, dtype=torch.long)
         tokens[at, :mine] = nxt[0, :mine]
