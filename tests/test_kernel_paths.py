@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -272,6 +275,28 @@ def test_required_kernels_make_a_failure_an_error(monkeypatch: pytest.MonkeyPatc
             kernels.library()
     finally:
         kernels._loaded.cache_clear()
+
+
+def test_the_no_kernels_switch_makes_auto_fp32_and_says_so() -> None:
+    """SPECDECODE_NO_KERNELS=1 (in a fresh process, as a user sets it): precision auto becomes
+    the reference, with one warning naming the switch; with SPECDECODE_REQUIRE_KERNELS=1 beside
+    it, one clear error instead. Broken variant: the switch ignored (auto stays checkpoint)."""
+    code = ("from specdecode.models.precision import native_default; "
+            "print(native_default())")
+    env = {k: v for k, v in os.environ.items() if k != "SPECDECODE_REQUIRE_KERNELS"}
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "SPECDECODE_NO_KERNELS": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0 and off.stdout.split() == ["fp32"], off.stderr
+    assert "SPECDECODE_NO_KERNELS=1 is set" in off.stderr and "auto is fp32" in off.stderr
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=600)
+    assert on.returncode == 0 and on.stdout.split() == ["checkpoint"], on.stderr
+    required = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**env, "SPECDECODE_NO_KERNELS": "1",
+                                   "SPECDECODE_REQUIRE_KERNELS": "1"}, timeout=120)
+    assert required.returncode != 0
+    assert "SPECDECODE_REQUIRE_KERNELS=1 and the kernels are unavailable: SPECDECODE_NO_KERNELS" \
+        in required.stderr
 
 
 def test_kernels_c_and_kernels_py_agree_on_their_constants(

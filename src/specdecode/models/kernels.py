@@ -363,6 +363,10 @@ def _loaded() -> Loaded:
     if loaded.lib is None and required:
         raise KernelError(f"SPECDECODE_REQUIRE_KERNELS=1 and the kernels are unavailable: "
                           f"{loaded.error}")
+    if loaded.lib is None:  # said once per process: precision auto silently meaning fp32 is not
+        log.warning("the row-invariant kernels are unavailable (%s): the native runner uses "
+                    "PyTorch's kernels, --precision auto is fp32, and precisions that need the "
+                    "kernels are refused", loaded.error)
     return loaded
 
 
