@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench" / "question.jsonl"
+SPEC_BENCH = (Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench"
+              / "question.jsonl")
 
 
 def prompts(per_category: int) -> list[str]:
