@@ -16,10 +16,10 @@ baseline of the report's ratios):
 - `server-md`: `llama-server -m 1.5B -md 0.5B --spec-draft-n-max N` (--draft-max, default 8);
 - `lcpp`, `lcpp-draft`, `lcpp-ngram`: `specdecode serve --backend llama.cpp` on the 1.5B: plain,
   `--drafter draft-model --draft-model qwen2.5-coder-0.5b --k auto`, `--drafter ngram --k auto`;
-- `native`, `native-draft`: `specdecode serve` on the native runner (the precision `auto` gives),
-  plain and with the 0.5B draft at k auto. Today the native runner holds the K-quant weights
-  de-quantized to fp32 (7 GB for the 1.5B): leave these out of a run on a small machine, or run
-  them once the K-quant kernels land.
+- `native`, `native-draft`: `specdecode serve` on the native runner (the precision `auto` gives:
+  checkpoint, the file's K-quant blocks bit for bit with float activations), plain and with the
+  0.5B draft at k auto; `native-a8`, `native-a8-draft`: the same at `--precision checkpoint-a8`
+  (the blocks bit for bit, activations int8 per block of 32, exact integer sums).
 
 Workload: Spec-Bench (`--workload`), the first --per-category prompts of each category and all
 of `coding` (--coding-all, default on), written to OUT/workload.jsonl. Greedy (Spec-Bench
@@ -50,7 +50,7 @@ import httpx
 SPECBENCH = "/work/shared/data/specbench/question.jsonl"
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 SYSTEMS = ("generate", "server", "server-md", "lcpp", "lcpp-draft", "lcpp-ngram", "native",
-           "native-draft")
+           "native-draft", "native-a8", "native-a8-draft")
 DEFAULT_SYSTEMS = "generate,server,server-md,lcpp,lcpp-draft"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,9 +99,11 @@ def launch(name: str, port: int, threads: int, draft_max: int) -> Launch:
             cmd += ["-md", model_path(DRAFT), "--spec-draft-n-max", str(draft_max)]
         return Launch(name, cmd, "/health", env)
     backend = ["--backend", "llama.cpp"] if name.startswith("lcpp") else []
+    a8 = ["--precision", "checkpoint-a8"]
     extra = {"lcpp": ["--drafter", "none"], "native": ["--drafter", "none"],
              "lcpp-draft": draft, "native-draft": draft,
-             "lcpp-ngram": ["--drafter", "ngram", "--k", "auto"]}
+             "lcpp-ngram": ["--drafter", "ngram", "--k", "auto"],
+             "native-a8": [*a8, "--drafter", "none"], "native-a8-draft": [*a8, *draft]}
     if name not in extra:
         raise SystemExit(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
     return Launch(name, [*own, *backend, *extra[name]], "/health", env)
