@@ -47,6 +47,9 @@ print("RESULT " + json.dumps(out))
 def run_child(spec: str | None, precision: str, path: str | None, args: argparse.Namespace
               ) -> dict[str, Any]:
     env = dict(os.environ)
+    # llama.cpp holds a sequence per batch row and per prompt being prefilled
+    largest = max(args.batches)
+    env.setdefault("SPECDECODE_LLAMACPP_SEQUENCES", str(2 * largest + 2))
     if path:
         env["SPECDECODE_KERNEL_PATH"] = path
     payload = json.dumps([spec, precision, args.context, args.kmax, args.repeats, args.threads,
