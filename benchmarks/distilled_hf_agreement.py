@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdecode.bench.workloads import load_workload
 from specdecode.drafters.distilled import DEFAULT_DIR, read_config
 from specdecode.drafters.distilled_hf import cached_hf_export
-from specdecode.models.loading import converted_folder, default_model_path
+from specdecode.models.loading import converted_folder
+from specdecode.models.paths import default_model_path
 
 SPECBENCH = "/work/shared/data/specbench/question.jsonl"
 

@@ -37,7 +37,7 @@ from specdecode.drafters.distilled_gguf import export_distilled_gguf
 from specdecode.drafters.registry import DrafterOptions, drafter_factory
 from specdecode.engine import Generation
 from specdecode.models.backends import load_model
-from specdecode.models.loading import default_model_path
+from specdecode.models.paths import default_model_path
 from specdecode.sampling import SamplingParams
 
 

@@ -114,7 +114,7 @@ def main() -> None:
             row["picks"][name] = pick_line(out)
         rows[precision] = row
     from specdecode.bench.workloads import load_default_workload
-    from specdecode.models.loading import default_model_path
+    from specdecode.models.paths import default_model_path
 
     texts = [p.turns[0] for p in load_default_workload(None).prompts[: args.prompts]]
     ref = llama_cpp_tok_s(str(default_model_path()), texts, args.max_tokens, args.threads)

@@ -101,7 +101,7 @@ def free_port() -> int:
 def proves(binary: Path) -> str | None:
     """None if `binary` serves one greedy completion of the default SmolLM2 GGUF, else why not."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-    from specdecode.models.loading import default_model_path
+    from specdecode.models.paths import default_model_path
 
     port = free_port()
     proc = subprocess.Popen([str(binary), "-m", str(default_model_path()), "--host",

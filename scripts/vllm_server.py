@@ -102,7 +102,7 @@ def distilled_folder() -> Path:
     cache: drafters.distilled_hf)."""
     from specdecode.drafters.distilled import DEFAULT_DIR
     from specdecode.drafters.distilled_hf import cached_hf_export
-    from specdecode.models.loading import default_model_path
+    from specdecode.models.paths import default_model_path
 
     return cached_hf_export(DEFAULT_DIR, default_model_path())
 

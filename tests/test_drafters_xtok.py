@@ -38,7 +38,8 @@ from specdecode.drafters.xtok import (
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models.backends import load_model
-from specdecode.models.loading import LoadedModel, converted_folder, default_model_path
+from specdecode.models.loading import LoadedModel, converted_folder
+from specdecode.models.paths import default_model_path
 from specdecode.models.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 from tests.conftest import make_checkpoint

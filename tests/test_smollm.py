@@ -10,7 +10,8 @@ import torch
 from specdecode.engine import Generation
 from specdecode.errors import SpecDecodeError
 from specdecode.models import backends, loading
-from specdecode.models.loading import LoadedModel, default_model_path
+from specdecode.models.loading import LoadedModel
+from specdecode.models.paths import default_model_path
 from specdecode.sampling import SamplingParams
 from tests.identity import assert_identical
 

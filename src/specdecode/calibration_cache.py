@@ -23,7 +23,8 @@ from typing import Any
 
 from specdecode.calibration import CONTEXT, REPEATS, CostTable, calibrated_costs
 from specdecode.machine import cpu_model, usable_cores
-from specdecode.models.loading import LoadedModel, cache_root
+from specdecode.models.loading import LoadedModel
+from specdecode.models.paths import cache_root
 from specdecode.version import __version__
 
 CACHE_FORMAT = 1

@@ -137,7 +137,7 @@ def target_configs(targets: Sequence[str], configs: Sequence[ConfigSpec],
 def peer_available(model: str | None) -> str | None:
     """Why llama-cpp-python's `Llama.generate` cannot be the reference here (None: it can)."""
     from specdecode.models.llamacpp import import_llama_cpp
-    from specdecode.models.loading import default_model_path
+    from specdecode.models.paths import default_model_path
 
     try:
         import_llama_cpp()

@@ -51,7 +51,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         export_distilled_gguf,
     )
     from specdecode.errors import SpecDecodeError
-    from specdecode.models.loading import default_model_path
+    from specdecode.models.paths import default_model_path
 
     folder = Path(args.distilled).expanduser() if args.distilled else DEFAULT_DIR
     target = Path(args.model).expanduser() if args.model else default_model_path()

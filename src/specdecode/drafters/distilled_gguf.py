@@ -371,7 +371,7 @@ def cache_key(folder: Path, target_gguf: Path, weight_type: str, head: str) -> s
 def cached_export(folder: Path, target_gguf: Path, *, weight_type: str = DEFAULT_WEIGHT_TYPE,
                   head: str = DEFAULT_HEAD) -> Path:
     """The exported draft in the cache, exporting it first when no complete copy is there."""
-    from specdecode.models.loading import cache_root
+    from specdecode.models.paths import cache_root
 
     key = cache_key(folder, target_gguf, weight_type, head)
     dest = cache_root() / "drafts" / f"distilled-{key}.gguf"

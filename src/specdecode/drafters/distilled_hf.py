@@ -129,7 +129,7 @@ def export_distilled_hf(folder: Path, target_gguf: Path, dest: Path) -> Path:
 def cached_hf_export(folder: Path, target_gguf: Path) -> Path:
     """The exported folder in the cache, exporting it first when no complete copy is there."""
     from specdecode.drafters.distilled_gguf import cache_key
-    from specdecode.models.loading import cache_root
+    from specdecode.models.paths import cache_root
 
     key = cache_key(folder, target_gguf, f"hf-v{HF_EXPORT_VERSION}", "full")
     dest = cache_root() / "drafts" / f"distilled-{key}-hf"

@@ -41,7 +41,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import KVCache
 from specdecode.models.invariance import Invariance, measure
 from specdecode.models.llama import LlamaModel
-from specdecode.models.loading import cache_root
+from specdecode.models.paths import cache_root
 from specdecode.models.target import Cache, Target
 from specdecode.models.tokenizer import Tokenizer
 

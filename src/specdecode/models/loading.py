@@ -16,12 +16,7 @@ from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.config import ModelConfig
-from specdecode.models.paths import (  # noqa: F401 (re-exported: callers import them here)
-    DEFAULT_GGUF,
-    DEFAULT_PACKAGE,
-    cache_root,
-    default_model_path,
-)
+from specdecode.models.paths import cache_root, default_model_path
 from specdecode.models.target import Target
 from specdecode.models.tokenizer import Tokenizer
 
