@@ -58,7 +58,12 @@
 
 #if SD_ISA == 3
 #define YREG_MAX 8   /* a8: blocks of at most this many rows x panels keep their sums in zmm */
-#define QROWS_MAX 12 /* a8: rows sharing one pass over a panel */
+/* a8: rows sharing one pass over a panel. 4 rows x 2 panels keep every integer and fp32 sum in
+ * zmm; 12 rows spilled them (24 integer sums beside the weights) and each row past the fourth
+ * cost more than the one before (Zen 4: 9 positions of the 1.5B pair target 3.7 steps, 2.3 with
+ * blocks of 4, whose panels come back from L2, not memory). Blocking never changes a sum's
+ * order, so every block size computes the same bits (the trial compares 1..12 and 70 rows). */
+#define QROWS_MAX 4
 #define QNP_MAX 8
 #elif SD_ISA == 2
 #define YREG_MAX 0
