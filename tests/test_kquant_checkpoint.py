@@ -194,3 +194,53 @@ def test_a_type_the_native_runner_cannot_read_is_named(tmp_path: Path,
     assert "tensor 'output.weight' is stored as I8" in message
     assert "Q4_K" in message and "Q6_K" in message and "--backend llama.cpp" in message
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing half-converted
+
+
+def test_a_draft_model_with_a_pruned_head_drafts_inside_it_and_changes_nothing(
+        gguf: Path) -> None:
+    """`--draft-vocab N` on a K-quant draft (issue #44's cheap draft): the draft's logits of the
+    lowest N ids are its full head's bit for bit (the head's own panels, cut), -inf above, so it
+    only drafts tokens below N, and greedy speculation stays token-identical to plain. Broken
+    variant: the same rows scattered one id off, which the comparison sees."""
+    from specdecode.drafters import draft_head
+    from specdecode.drafters.base import DraftRequest
+    from specdecode.drafters.distilled import SubsetHead
+    from specdecode.drafters.options import DrafterOptions
+    from specdecode.drafters.registry import drafter_factory
+    from specdecode.engine import Generation
+    from specdecode.models import kernels
+    from specdecode.models.backends import load_model
+    from specdecode.sampling import SamplingParams
+
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.build_error()}")
+    n = 2 * kernels.PANEL * 4  # of 512 ids
+    target = load_model(str(gguf), precision="checkpoint-a8").model
+    full = load_model(str(gguf), precision="checkpoint-a8", as_draft=True).model
+    pruned = draft_head.with_draft_head(full, n)
+    tokens = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        want = full(tokens, full.new_cache(1, 32))[0]
+        got = pruned(tokens, pruned.new_cache(1, 32))[0]
+    assert torch.equal(got[:, :n], want[:, :n]) and torch.isneginf(got[:, n:]).all()
+    rows = draft_head.first_rows(full.lm_head.exact_panels(), n)
+    bad = draft_head.WithHead(full, SubsetHead(None, torch.arange(1, n + 1), 512, panels=rows))
+    with torch.inference_mode():
+        wrong = bad(tokens, bad.new_cache(1, 32))[0]
+    assert not torch.equal(wrong[:, :n], want[:, :n])
+
+    make = drafter_factory(DrafterOptions("draft-model", draft_model=str(gguf), draft_vocab=n),
+                           target)
+    assert make is not None
+    drafter = make()
+    proposed = drafter.propose(DraftRequest(tokens[0], 6, SamplingParams(), len(PROMPT)))
+    assert len(proposed.tokens) == 6 and int(proposed.tokens.max()) < n
+
+    def run(d: Any, k: int) -> Generation:
+        gen = Generation(target, None, PROMPT, SamplingParams(max_tokens=48), d, k)
+        for _ in gen.run():
+            pass
+        return gen
+
+    plain = run(None, 0).output
+    assert_identical([run(make(), 4)], [plain], f"draft_vocab {n} on a K-quant draft")

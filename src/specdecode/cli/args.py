@@ -124,6 +124,10 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint (GGUF file or folder) for --drafter draft-model (same "
                         "tokenizer as the target) or xtok (any tokenizer: drafts through text)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="draft-model, int8, w4a16 and layerskip draft through the lowest N token "
+                        "ids of the head only (a cheaper draft step; the target still verifies "
+                        "over the whole vocabulary, so output is unchanged; default: every id)")
     p.add_argument("--distilled", default=None,
                    help="distilled draft folder for --drafter distilled (default: the shipped one)")
     p.add_argument("--heads", default=None,
@@ -208,7 +212,8 @@ def drafter_options(args: argparse.Namespace) -> DrafterOptions:
     serve = vars(args)  # the --suffix-* flags exist on `serve` only
     options = DrafterOptions(
         name=args.drafter, k=k, kmax=args.kmax,
-        max_step_cost=args.max_step_cost, draft_model=args.draft_model, heads=args.heads,
+        max_step_cost=args.max_step_cost, draft_model=args.draft_model,
+        draft_vocab=args.draft_vocab, heads=args.heads,
         distilled=args.distilled, suffix_mib=serve.get("suffix_mib"),
         suffix_requests=serve.get("suffix_requests"),
         suffix_isolation=serve.get("suffix_isolation"))

@@ -50,7 +50,7 @@ _LOOKUP = ("ngram_max", "ngram_min")
 # drafter takes them), and the ones it cannot run without.
 USES: dict[str, tuple[str, ...]] = {
     "none": (),
-    "draft-model": ("draft_model",),
+    "draft-model": ("draft_model", "draft_vocab"),
     INT8_COPY: ("draft_vocab",),
     W4A16_COPY: ("draft_vocab",),
     "ngram": _LOOKUP,
@@ -68,7 +68,8 @@ DRAFTERS = (*USES, *(m + TREE_SUFFIX for m in TREE_MODELS),
 
 # How the command line spells an option (errors name both, so that either reader finds it).
 FLAGS = {"name": "--drafter", "k": "--k", "kmax": "--kmax", "max_step_cost": "--max-step-cost",
-         "draft_model": "--draft-model", "heads": "--heads", "distilled": "--distilled",
+         "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "heads": "--heads",
+         "distilled": "--distilled",
          "suffix_mib": "--suffix-mib", "suffix_requests": "--suffix-requests",
          "suffix_isolation": "--suffix-isolation"}
 ALIASES = {"model": "draft_model"}  # a bench configuration's `model=PATH`
@@ -127,8 +128,8 @@ class DrafterOptions:
     wider than max_step_cost plain steps of the batch when that is set). draft_model: a draft
     checkpoint (draft-model, xtok). heads, distilled: their weights' folders (default: the
     shipped ones). layers: the blocks layerskip runs (default: calibrated). draft_vocab: the
-    quantized copies and layerskip draft through the lowest draft_vocab token ids of the head
-    (drafters.draft_head; default: the whole head). ngram_max,
+    quantized copies, layerskip and a native draft-model draft through the lowest draft_vocab
+    token ids of the head (drafters.draft_head; default: the whole head). ngram_max,
     ngram_min: the match lengths of the lookups. tree_nodes: a lookup tree's node budget.
     suffix_mib, suffix_requests: the caps of the suffix drafter's store of earlier requests;
     suffix_isolation: whose earlier text a server request drafts from ("user" or "shared").

@@ -101,7 +101,7 @@ def _factory(opts: DrafterOptions, target: Target, capacity: int, tokenizer: Tok
         return _quantized_copy(name, target, capacity, opts.draft_vocab)
     assert opts.draft_model is not None  # DrafterOptions.check: both need one
     if name == "draft-model":
-        return _draft_model(target, opts.draft_model, capacity, tokenizer)
+        return _draft_model(target, opts.draft_model, capacity, tokenizer, opts.draft_vocab)
     from specdecode.drafters.xtok import xtok_factory
 
     return DrafterFactory(xtok_factory(tokenizer, opts.draft_model, capacity))
@@ -225,7 +225,10 @@ def _quantized_copy(name: str, target: Target, capacity: int, draft_vocab: int |
 
 
 def _draft_model(target: Target, draft_model: str, capacity: int,
-                 tokenizer: Tokenizer | None) -> DrafterFactory:
+                 tokenizer: Tokenizer | None, draft_vocab: int | None = None) -> DrafterFactory:
+    """A separate draft model; with `draft_vocab`, drafting through the lowest draft_vocab ids of
+    its head (drafters.draft_head: only where the draft runs on the native runner)."""
+    from specdecode.drafters.draft_head import with_draft_head
     from specdecode.drafters.draft_model import DraftModelDrafter, check_tokenizer, check_vocab
     from specdecode.models.backends import load_model
 
@@ -236,6 +239,9 @@ def _draft_model(target: Target, draft_model: str, capacity: int,
         from specdecode.drafters.distilled_gguf import load_gguf_draft, sidecar_path
 
         if sidecar_path(Path(draft_model).expanduser()).is_file():  # a subset-head export
+            if draft_vocab is not None:
+                raise SpecDecodeError(f"draft_vocab does not apply to {draft_model}: it is a "
+                                      "subset-head export, whose vocabulary is fixed")
             sub = load_gguf_draft(Path(draft_model).expanduser(), gguf_target)
             return DrafterFactory(lambda: DraftModelDrafter(sub, "draft-model", capacity))
     # the draft on the target's own backend (llama.cpp), else where its family runs ("auto" of
@@ -243,8 +249,10 @@ def _draft_model(target: Target, draft_model: str, capacity: int,
     # matter (the target verifies every token), so it is not checked at load
     loaded = load_model(draft_model, precision="auto",
                         backend=target.backend if gguf_target else "auto", as_draft=True)
-    draft = loaded.model
-    check_vocab(target, draft, draft_model)
+    check_vocab(target, loaded.model, draft_model)
     if tokenizer is not None:  # same size is not the same tokens
         check_tokenizer(tokenizer, loaded.tokenizer, draft_model)
+    draft = loaded.model
+    if draft_vocab is not None:  # the native runner's head panels (drafters.draft_head)
+        draft = with_draft_head(native(draft, "draft-model drafter with draft_vocab"), draft_vocab)
     return DrafterFactory(lambda: DraftModelDrafter(draft, "draft-model", capacity))
