@@ -79,13 +79,15 @@ def llama_server_binary() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def launch(name: str, port: int, threads: int, draft_max: int) -> Launch:
-    """How to start system `name` on `port`."""
+def launch(name: str, port: int, threads: int, draft_max: int,
+           draft_extra: tuple[str, ...] = ()) -> Launch:
+    """How to start system `name` on `port`; `draft_extra`: more flags of this project's draft
+    systems (e.g. --draft-vocab 32768 --max-step-cost inf)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     env.pop("GGML_CPU_TILED_MM", None)  # peers run as their users run them
     own = [sys.executable, "-m", "specdecode.cli", "serve", "--model", TARGET, "--port",
            str(port), "--threads", str(threads), "--max-batch", "4", "--log-level", "warning"]
-    draft = ["--drafter", "draft-model", "--draft-model", DRAFT, "--k", "auto"]
+    draft = ["--drafter", "draft-model", "--draft-model", DRAFT, "--k", "auto", *draft_extra]
     if name == "generate":
         return Launch(name, [sys.executable, "-m", "llama_cpp.server", "--model",
                              model_path(TARGET), "--host", "127.0.0.1", "--port", str(port),
@@ -187,6 +189,9 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="1")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft-max", type=int, default=8, help="llama-server -md: --spec-draft-n-max")
+    p.add_argument("--draft-extra", default="",
+                   help="more flags for this project's draft systems, e.g. '--draft-vocab 32768 "
+                        "--max-step-cost inf' (serve caps a step at 1.5 plain steps by default)")
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--costs", action="store_true")
@@ -205,7 +210,8 @@ def main() -> int:
     with ExitStack() as stack:
         servers = {}
         for i, name in enumerate(names):
-            spec = launch(name, args.port + i, args.threads, args.draft_max)
+            spec = launch(name, args.port + i, args.threads, args.draft_max,
+                          tuple(args.draft_extra.split()))
             servers[name] = Server(spec, args.port + i, args.out / f"{name}.log")
             stack.callback(servers[name].stop)
         for server in servers.values():

@@ -104,6 +104,9 @@ def test_a_draft_head_outside_the_vocabulary_is_refused(tiny: LoadedModel) -> No
         DrafterOptions("w4a16", draft_vocab=0).check()
     with pytest.raises(SpecDecodeError, match="ngram drafter does not use draft_vocab"):
         DrafterOptions("ngram", draft_vocab=8).check()
+    with pytest.raises(SpecDecodeError, match=r"draft_vocab \(--draft-vocab\) must be"):
+        DrafterOptions("draft-model", draft_model="d", draft_vocab=0).check()
+    DrafterOptions("draft-model", draft_model="d", draft_vocab=8).check()  # a draft model's
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "w4a16"])
