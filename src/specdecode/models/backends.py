@@ -140,7 +140,9 @@ def load_on_native(request: LoadRequest) -> LoadedModel:
     if gemv_copy and not exact and precisions.get(model.precision).gemv_copy:
         model.add_gemv_copies()
     if not request.as_draft:  # of the kernels it runs on from here (gemv included)
-        model.check_invariance(DEFAULT_WIDTH)
+        from specdecode.models.invariance_cache import checked
+
+        checked(model, source, DEFAULT_WIDTH)
     return loading.LoadedModel(model, Tokenizer(folder), name, source, model.precision,
                                time.perf_counter() - request.start)
 

@@ -56,6 +56,8 @@ class Invariance:
     width: int = DEFAULT_WIDTH  # the widest call compared
     seconds: float = 0.0  # what the check took
     cause: str = ""  # where not exact: the known cause, in words a user can act on
+    cached: bool = False  # read from models.invariance_cache, not measured by this load
+    cached_at: float = 0.0  # when a cached verdict was measured (time.time())
 
     @property
     def exact(self) -> bool:
@@ -76,12 +78,16 @@ class Invariance:
             parts.append(f"{self.trees:.3g} inside token trees")
         if self.threads is not None:
             parts.append(f"{self.threads:.3g} across thread counts")
-        return f"max |logit difference|: {', '.join(parts)}; checked in {self.seconds:.2f} s"
+        checked = f"checked in {self.seconds:.2f} s"
+        if self.cached:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.cached_at))
+            checked += f" on {when}, with these kernels, weights and threads (cached)"
+        return f"max |logit difference|: {', '.join(parts)}; {checked}"
 
     def as_dict(self) -> dict[str, float | bool | int | None]:
         return {"widths": self.widths, "rows": self.rows, "chunks": self.chunks,
                 "trees": self.trees, "threads": self.threads, "width": self.width,
-                "seconds": self.seconds, "exact": self.exact}
+                "seconds": self.seconds, "exact": self.exact, "cached": self.cached}
 
 
 @dataclass(frozen=True)
