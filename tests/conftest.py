@@ -10,6 +10,7 @@ llama-cpp-python's server), carry `pytest.mark.slow` themselves. The fast tier,
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,11 @@ import torch
 
 from specdecode.models.backends import load_model
 from specdecode.models.loading import LoadedModel
+
+# Every load measures its invariance in the tests: a test that patches the runner's code to break
+# it must see the check fail, never a verdict an earlier load cached (models.invariance_cache;
+# tests/test_invariance_cache.py turns the memory back on for itself). Child processes inherit it.
+os.environ["SPECDECODE_INVARIANCE_CACHE"] = "0"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
