@@ -127,7 +127,7 @@ def test_the_declared_options_are_what_the_drafters_read() -> None:
     """Every name parses into its parts; hybrids read their parts' options; X-tree reads X's;
     the options a drafter needs are among those it reads; every field is read by some drafter
     (or is the engine's)."""
-    assert reads("ngram+draft-model") == ("ngram_max", "ngram_min", "draft_model")
+    assert reads("ngram+draft-model") == ("ngram_max", "ngram_min", "draft_model", "draft_vocab")
     assert reads("suffix+w4a16") == (*reads("suffix"), "draft_vocab")
     assert reads("ngram+auto") == reads("ngram")  # the measured choice reads no model options
     assert reads("distilled-tree") == ("distilled",)
