@@ -40,7 +40,7 @@ def _touch(folder: Path) -> None:
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
 
 
-def test_a_second_identical_load_reads_the_verdict(folder: Path) -> None:
+def test_a_second_load_of_the_same_files_reads_the_verdict(folder: Path) -> None:
     first = _load(folder)
     assert not first.cached
     second = _load(folder)
