@@ -106,7 +106,7 @@ def test_a_draft_head_outside_the_vocabulary_is_refused(tiny: LoadedModel) -> No
         DrafterOptions("ngram", draft_vocab=8).check()
     with pytest.raises(SpecDecodeError, match=r"draft_vocab \(--draft-vocab\) must be"):
         DrafterOptions("draft-model", draft_model="d", draft_vocab=0).check()
-    DrafterOptions("draft-model", draft_model="d", draft_vocab=8).check()  # a draft model's
+    DrafterOptions("draft-model", draft_model="d", draft_vocab=8).check()  # a draft model takes it
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "w4a16"])

@@ -43,6 +43,17 @@ def _need_llamacpp() -> None:
         pytest.importorskip("llama_cpp")
 
 
+def _decode(target: Any, drafter: Any, k: int) -> Any:
+    """PROMPT decoded greedily for 48 tokens on `target` (drafter None, k 0: plain)."""
+    from specdecode.engine import Generation
+    from specdecode.sampling import SamplingParams
+
+    gen = Generation(target, None, PROMPT, SamplingParams(max_tokens=48), drafter, k)
+    for _ in gen.run():
+        pass
+    return gen
+
+
 def test_the_codes_decode_as_ggml_specifies(gguf: Path) -> None:
     """gguf-py's de-quantization (what the native loader uses) against an independent decoder
     written from ggml's block layouts; the broken decoder (scale and min bits swapped in the
@@ -129,22 +140,15 @@ def test_llamacpp_speculation_on_kquant_blocks_is_token_identical(gguf: Path) ->
     _need_llamacpp()
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.drafters.ngram import NgramDrafter
-    from specdecode.engine import Generation
     from specdecode.models.backends import load_model
-    from specdecode.sampling import SamplingParams
 
     target = load_model(str(gguf), backend="llama.cpp").model
     assert target.invariance is not None and target.invariance.exact, target.invariance
     draft = load_model(str(gguf), backend="llama.cpp").model
 
-    def run(drafter: Any, k: int) -> Generation:
-        gen = Generation(target, None, PROMPT, SamplingParams(max_tokens=48), drafter, k)
-        for _ in gen.run():
-            pass
-        return gen
-
-    plain = run(None, 0).output
-    assert_identical([run(DraftModelDrafter(draft), 8), run(NgramDrafter(4, 1), 8)],
+    plain = _decode(target, None, 0).output
+    assert_identical([_decode(target, DraftModelDrafter(draft), 8),
+                      _decode(target, NgramDrafter(4, 1), 8)],
                      [plain, plain], "K-quant blocks on llama.cpp, k = 8")
 
 
@@ -207,7 +211,6 @@ def test_a_draft_model_with_a_pruned_head_drafts_inside_it_and_changes_nothing(
     from specdecode.drafters.distilled import SubsetHead
     from specdecode.drafters.options import DrafterOptions
     from specdecode.drafters.registry import drafter_factory
-    from specdecode.engine import Generation
     from specdecode.models import kernels
     from specdecode.models.backends import load_model
     from specdecode.sampling import SamplingParams
@@ -233,14 +236,9 @@ def test_a_draft_model_with_a_pruned_head_drafts_inside_it_and_changes_nothing(
                            target)
     assert make is not None
     drafter = make()
-    proposed = drafter.propose(DraftRequest(tokens[0], 6, SamplingParams(), len(PROMPT)))
+    with torch.inference_mode():  # as the engine proposes
+        proposed = drafter.propose(DraftRequest(tokens[0], 6, SamplingParams(), len(PROMPT)))
     assert len(proposed.tokens) == 6 and int(proposed.tokens.max()) < n
 
-    def run(d: Any, k: int) -> Generation:
-        gen = Generation(target, None, PROMPT, SamplingParams(max_tokens=48), d, k)
-        for _ in gen.run():
-            pass
-        return gen
-
-    plain = run(None, 0).output
-    assert_identical([run(make(), 4)], [plain], f"draft_vocab {n} on a K-quant draft")
+    plain = _decode(target, None, 0).output
+    assert_identical([_decode(target, make(), 4)], [plain], f"draft_vocab {n} on a K-quant draft")

@@ -56,8 +56,12 @@ class Invariance:
     width: int = DEFAULT_WIDTH  # the widest call compared
     seconds: float = 0.0  # what the check took
     cause: str = ""  # where not exact: the known cause, in words a user can act on
-    cached: bool = False  # read from models.invariance_cache, not measured by this load
-    cached_at: float = 0.0  # when a cached verdict was measured (time.time())
+    cached_at: float = 0.0  # a verdict read from models.invariance_cache: when it was stored
+
+    @property
+    def cached(self) -> bool:
+        """Read from models.invariance_cache, not measured by this load."""
+        return self.cached_at > 0
 
     @property
     def exact(self) -> bool:

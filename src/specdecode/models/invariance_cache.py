@@ -63,10 +63,9 @@ def weights_identity(source: Path) -> list[tuple[str, int, int]]:
 def key(model: Any, source: Path, width: int) -> str | None:
     """The cache key of `model` (a native runner loaded from `source`) checked at `width`, or
     None where there is nothing to key on (no kernels loaded: nothing exact to remember)."""
-    lib = kernels.library()
-    if lib is None:
+    if kernels.library() is None:
         return None
-    parts = {"format": FORMAT, "kernels": Path(lib._name).name, "path": kernels.path_name(),
+    parts = {"format": FORMAT, "kernels": kernels.library_name(), "path": kernels.path_name(),
              "code": code_digest(), "torch": torch.__version__,
              "weights": weights_identity(source), "precision": model.precision,
              "width": width, "threads": torch.get_num_threads(),
@@ -86,7 +85,7 @@ def read(k: str) -> Invariance | None:
         found = Invariance(**{n: v for n, v in data["invariance"].items() if n in fields})
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return found if found.exact and found.cached_at else None
+    return found if found.exact and found.cached else None
 
 
 def write(k: str, measured: Invariance) -> None:
@@ -103,13 +102,13 @@ def write(k: str, measured: Invariance) -> None:
 
 def checked(model: Any, source: Path, width: int) -> Invariance:
     """`model.check_invariance(width)`, or the verdict an earlier identical load measured (set
-    on the model as check_invariance would, with `cached` True)."""
+    on the model as check_invariance would; its `cached` is True)."""
     k = key(model, source, width) if enabled() else None
     if k is not None:
         found = read(k)
         if found is not None:
-            model.invariance = dataclasses.replace(found, cached=True)
-            return model.invariance  # type: ignore[no-any-return]
+            model.invariance = found
+            return found
     measured: Invariance = model.check_invariance(width)
     if k is not None:
         write(k, measured)

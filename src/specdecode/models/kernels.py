@@ -375,6 +375,13 @@ def library() -> ctypes.CDLL | None:
     return _loaded().lib
 
 
+def library_name() -> str | None:
+    """The loaded library's file name (it carries the hash of the source, flags, compiler and
+    CPU flags it was built for: compile_path), or None."""
+    lib = library()
+    return None if lib is None else Path(lib._name).name
+
+
 def build_error() -> str | None:
     """Why the kernels are unavailable, or None."""
     return _loaded().error
