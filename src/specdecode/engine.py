@@ -139,7 +139,9 @@ class Generation:
 
     @property
     def prefilled(self) -> bool:
-        return self.prefilled_tokens >= self.prompt_len - 1
+        """Its cache exists and holds the prompt but its last token (a 1-token prompt still
+        needs the cache: prefill allocates it)."""
+        return self.cache is not None and self.prefilled_tokens >= self.prompt_len - 1
 
     def prefill(self, max_tokens: int | None = None) -> bool:
         """Feed up to `max_tokens` more prompt tokens (all but the last); True when done."""
@@ -408,7 +410,7 @@ class BatchEngine:
         budget = self.prefill_chunk
         while self.joining:
             gen = self.joining[0]
-            if gen.cache is None or not gen.prefilled:  # a 1-token prompt still needs a cache
+            if not gen.prefilled:
                 if budget <= 0:
                     break
                 before = gen.prefilled_tokens
