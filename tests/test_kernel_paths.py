@@ -11,6 +11,7 @@ run wherever the CPU does.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import subprocess
@@ -67,6 +68,8 @@ def _cases() -> dict[str, Panels]:
         "q4-kscales": kernels.pack_q4(c4, s4, z4, bias, kscales=q4k),
         "q5-kscales": kernels.pack_q5(c6 >> 1, s4, z4, kscales=q4k),
         "q8-kscales-g16": kernels.pack_q8(c6, s6, None, offset=32, group=16, kscales=q6k),
+        "q6-kscales-g16": kernels.pack_q6(c6, s6, None, offset=32, group=16, kscales=q6k),
+        "q6-zero": kernels.pack_q6(c6, s32, z32, bias),
         "f32": kernels.pack_float(w, torch.float32, bias),
         "bf16": kernels.pack_float(w, torch.bfloat16, bias, round_x=True),
         "i8": kernels.pack_int8(c8, s32[:, 0], bias),
@@ -306,3 +309,26 @@ def test_kernels_c_and_kernels_py_agree_on_their_constants(
     monkeypatch.setattr(kernels, "MAX_HEAD_DIM", 256)
     with pytest.raises(SpecDecodeError, match=r"constants .* differ"):
         kernels.open_library(target)
+
+
+def test_q6_panels_compute_the_byte_panels_bits_from_fewer_bytes() -> None:
+    """Q6_K's codes in 4-bit panels plus two bit planes (pack_q6) give the products of the same
+    codes as bytes (pack_q8) bit for bit, at every width, from 0.75 bytes a weight instead of
+    1; the broken variant (the two planes swapped) is caught."""
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.build_error()}")
+    gen = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 64, (N, K), generator=gen)
+    s16 = torch.rand(N, K // 16, generator=gen) * 0.1
+    q6 = kernels.pack_q6(codes, s16, None, offset=32, group=16)
+    q8 = kernels.pack_q8(codes, s16, None, offset=32, group=16)
+    assert torch.equal(kernels.codes_of(q6), codes.to(torch.uint8))
+    padded = -(-N // kernels.PANEL) * kernels.PANEL  # columns in whole panels
+    assert q6.scale is not None
+    assert q6.nbytes - q6.scale.numel() * 4 == padded * K * 3 // 4 < q8.w.numel() == padded * K
+    for rows in (1, 4, 5, 9):
+        assert torch.equal(kernels.matmul(X[:rows], q6), kernels.matmul(X[:rows], q8)), rows
+    assert q6.hbits is not None
+    planes = q6.hbits.view(q6.hbits.shape[0], K // 8, 2, 16)
+    swapped = dataclasses.replace(q6, hbits=planes.flip(2).reshape_as(q6.hbits).contiguous())
+    assert not torch.equal(kernels.matmul(X[:4], swapped), kernels.matmul(X[:4], q8))

@@ -18,7 +18,8 @@ type is a SpecDecodeError naming it, the tensor and what works.
 
 Fused matrices (q|k|v, gate|up) whose parts are stored in different types (a Q4_K_M file keeps
 attn_v and some ffn_down in Q6_K) are joined in the widest common form: groups of 16, offsets
-moved into the zeros (w = code * scale + (zero - offset * scale), exact), byte codes.
+moved into the zeros (w = code * scale + (zero - offset * scale), exact), codes of the widest
+part's bits (a8: 4-, 5- or 6-bit panels, bytes only for 8-bit codes).
 """
 
 from __future__ import annotations
@@ -276,8 +277,8 @@ def panels(b: Blocks, mode: str, bias: torch.Tensor | None = None) -> kernels.Pa
     zero = None if b.zero is None else torch.from_numpy(
         np.ascontiguousarray(b.zero, dtype=np.float32))
     if mode == "a8":
-        pack = (kernels.pack_q4 if b.bits <= 4 else kernels.pack_q5 if b.bits == 5
-                else kernels.pack_q8)
+        pack = {4: kernels.pack_q4, 5: kernels.pack_q5, 6: kernels.pack_q6}.get(
+            max(b.bits, 4), kernels.pack_q8)
         kscales = None
         if b.kq is not None:  # the file's own scales: 0.09 bytes a weight, not 0.25
             d, dmin, sc, mn = (None if a is None else torch.from_numpy(np.ascontiguousarray(a))

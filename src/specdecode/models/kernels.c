@@ -64,17 +64,18 @@
  * blocks of 4, whose panels come back from L2, not memory). Blocking never changes a sum's
  * order, so every block size computes the same bits (the trial compares 1..12 and 70 rows). */
 #define QROWS_MAX 4
-#define QNP_MAX 8
 #elif SD_ISA == 2
 #define YREG_MAX 0
 #define QROWS_MAX 4 /* two ymm of sums per row: the other registers hold weights */
-#define QNP_MAX 4
 #else
 #define YREG_MAX 0
 #define QROWS_MAX 6
-#define QNP_MAX 4
 #endif
-#define SD_ABI 4           /* bumped whenever a struct or a signature below changes */
+/* a8, one row: panels sharing one pass over its inputs. AVX-512 took 8: that kept 16 weight
+ * and scale streams in flight per thread, more than the prefetchers follow, and a plain step was
+ * slower than with 4 on both pair targets (docs/measurements/2026-12-07-zen4-q6-one-row.md). */
+#define QNP_MAX 4
+#define SD_ABI 5           /* bumped whenever a struct or a signature below changes */
 #define PANEL 16           /* output columns per packed panel */
 #define CHUNK 64           /* rows whose inputs stay in cache while every panel passes over them */
 #define QBLOCK 32          /* inputs per int8 scale of the a8 kinds' activations */
@@ -83,9 +84,9 @@
 #define SD_INLINE static inline __attribute__((always_inline))
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND_Q4 = 5, KIND_Q8 = 6,
-       KIND_Q5 = 7 };
+       KIND_Q5 = 7, KIND_Q6 = 8 };
 #define GROUPED(kind) ((kind) == KIND_I4 || (kind) == KIND_I8G)
-#define QUANT(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q8 || (kind) == KIND_Q5)
+#define QUANT(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q8 || (kind) == KIND_Q5 || (kind) == KIND_Q6)
 
 
 /* A weight matrix (N outputs, K inputs) in panels of PANEL output columns.
@@ -108,7 +109,10 @@ enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND
  *     group's scale is d * sc and its zero -(dmin * m), the same fp32 values as the tables.
  * Q5 (a8): 5-bit codes as Q4's nibbles plus a plane of fifth bits, `hbits`: for octet i of panel
  *     p, 16 bytes at ((p*(K/8) + i)*16): bit (h*64 + c*4 + j) is the fifth bit of input
- *     8i + 4h + j of column c (GGUF's Q5_0 / Q5_1 / Q5_K, at 0.69 bytes a weight, not 1.1). */
+ *     8i + 4h + j of column c (GGUF's Q5_0 / Q5_1 / Q5_K, at 0.69 bytes a weight, not 1.1).
+ * Q6 (a8): 6-bit codes as Q5's plus a second plane: 32 bytes per octet and panel, the fifth
+ *     bits as Q5's, then the sixth bits in the same order (GGUF's Q6_K at 0.83 bytes a weight,
+ *     not 1.08 as bytes; the integer sums, hence every bit of the output, are the bytes'). */
 typedef struct {
     const void *w;
     const float *scale;
@@ -293,11 +297,12 @@ SD_INLINE i16v i_dot4(i16v acc, __m512i w, int32_t x4, int signed_w) {
 #endif
 }
 SD_INLINE __m512i q_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
-/* 64 codes plus 16 where their bit in the 8 bytes at h is set (Q5's fifth bits) */
-SD_INLINE __m512i q_high(__m512i codes, const uint8_t *h) {
+/* 64 codes plus v (16 or 32) where their bit in the 8 bytes at h is set (Q5's and Q6's high
+ * bits) */
+SD_INLINE __m512i q_high(__m512i codes, const uint8_t *h, int v) {
     uint64_t bits;
     memcpy(&bits, h, 8);
-    return _mm512_mask_add_epi8(codes, (__mmask64)bits, codes, _mm512_set1_epi8(16));
+    return _mm512_mask_add_epi8(codes, (__mmask64)bits, codes, _mm512_set1_epi8((char)v));
 }
 SD_INLINE __m512i q_lo(__m512i b) { return _mm512_and_si512(b, _mm512_set1_epi8(0xf)); }
 SD_INLINE __m512i q_hi(__m512i b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0xf)); }
@@ -351,20 +356,20 @@ SD_INLINE q64 q_hi(q64 b) {
     q64 r = {_mm256_and_si256(_mm256_srli_epi16(b.a, 4), f), _mm256_and_si256(_mm256_srli_epi16(b.b, 4), f)};
     return r;
 }
-/* 32 bits -> 32 bytes, 16 where the bit is set: each byte picks its bit's byte, then its bit */
-SD_INLINE __m256i bits16(uint32_t bits) {
+/* 32 bits -> 32 bytes, `add` where the bit is set: each byte picks its bit's byte, then its bit */
+SD_INLINE __m256i bits16(uint32_t bits, int add) {
     __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
                                     _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                      2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
-    return _mm256_and_si256(hit, _mm256_set1_epi8(16));
+    return _mm256_and_si256(hit, _mm256_set1_epi8((char)add));
 }
-SD_INLINE q64 q_high(q64 codes, const uint8_t *h) {
+SD_INLINE q64 q_high(q64 codes, const uint8_t *h, int v) {
     uint32_t lo, hi;
     memcpy(&lo, h, 4);
     memcpy(&hi, h + 4, 4);
-    q64 r = {_mm256_or_si256(codes.a, bits16(lo)), _mm256_or_si256(codes.b, bits16(hi))};
+    q64 r = {_mm256_or_si256(codes.a, bits16(lo, v)), _mm256_or_si256(codes.b, bits16(hi, v))};
     return r;
 }
 SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, v16 scale, v16 zero, int has_zero,
@@ -415,8 +420,8 @@ SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
 SD_INLINE q64 q_load(const uint8_t *p) { q64 r; memcpy(r.b, p, 64); return r; }
 SD_INLINE q64 q_lo(q64 b) { for (int i = 0; i < 64; i++) b.b[i] &= 0xf; return b; }
 SD_INLINE q64 q_hi(q64 b) { for (int i = 0; i < 64; i++) b.b[i] >>= 4; return b; }
-SD_INLINE q64 q_high(q64 codes, const uint8_t *h) {
-    for (int i = 0; i < 64; i++) codes.b[i] |= (uint8_t)(((h[i / 8] >> (i % 8)) & 1) << 4);
+SD_INLINE q64 q_high(q64 codes, const uint8_t *h, int v) {
+    for (int i = 0; i < 64; i++) codes.b[i] |= (uint8_t)(((h[i / 8] >> (i % 8)) & 1) * v);
     return codes;
 }
 SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, v16 scale, v16 zero, int has_zero,
@@ -511,8 +516,12 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
                     __typeof__(q_load(w)) lo = q_lo(b), hi = q_hi(b);
                     if (kind == KIND_Q5) {
                         const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 16;
-                        lo = q_high(lo, h);
-                        hi = q_high(hi, h + 8);
+                        lo = q_high(lo, h, 16);
+                        hi = q_high(hi, h + 8, 16);
+                    } else if (kind == KIND_Q6) {
+                        const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 32;
+                        lo = q_high(q_high(lo, h, 16), h + 16, 32);
+                        hi = q_high(q_high(hi, h + 8, 16), h + 24, 32);
                     }
                     for (int r = 0; r < R; r++) {
                         int32_t x4a, x4b;
@@ -553,12 +562,6 @@ SD_INLINE void qchunk_of_kind(const sd_qrows *qr, int64_t m0, const sd_mat *m, i
     if (M == 1) {
         int64_t r0 = m0;
         switch (np) {
-#if QNP_MAX > 4
-        case 8: QROWS(8, 1); return;
-        case 7: QROWS(7, 1); return;
-        case 6: QROWS(6, 1); return;
-        case 5: QROWS(5, 1); return;
-#endif
         case 4: QROWS(4, 1); return;
         case 3: QROWS(3, 1); return;
         case 2: QROWS(2, 1); return;
@@ -606,6 +609,7 @@ static void qpanel_chunk(const sd_qrows *qr, int64_t m0, const sd_mat *m, int64_
                          int64_t M, float out[][CHUNK][PANEL]) {
     if (m->kind == KIND_Q8) qchunk_of_kind(qr, m0, m, KIND_Q8, p, np, M, out);
     else if (m->kind == KIND_Q5) qchunk_of_kind(qr, m0, m, KIND_Q5, p, np, M, out);
+    else if (m->kind == KIND_Q6) qchunk_of_kind(qr, m0, m, KIND_Q6, p, np, M, out);
     else qchunk_of_kind(qr, m0, m, KIND_Q4, p, np, M, out);
 }
 

@@ -52,13 +52,13 @@ from specdecode.errors import SpecDecodeError
 SOURCE = Path(__file__).with_name("kernels.c")
 HEADERS = (Path(__file__).with_name("kernels_fp.h"),)  # included by kernels.c
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared")
-ABI = 4  # kernels.c SD_ABI
+ABI = 5  # kernels.c SD_ABI
 PANEL = 16  # kernels.c: output columns per packed panel
 GROUP = 32  # inputs per scale of the 4-bit and grouped int8 formats (Q6_K blocks: 16)
 QBLOCK = 32  # kernels.c: inputs per int8 scale of the a8 kinds' activations
 CHUNK = 64  # kernels.c: rows per pass
-KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I8G, KIND_Q4, KIND_Q8, KIND_Q5 = range(8)
-QUANT_KINDS = (KIND_Q4, KIND_Q8, KIND_Q5)  # integer activations: the "a8" precisions
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I8G, KIND_Q4, KIND_Q8, KIND_Q5, KIND_Q6 = range(9)
+QUANT_KINDS = (KIND_Q4, KIND_Q8, KIND_Q5, KIND_Q6)  # integer activations: the "a8" precisions
 MAX_HEAD_DIM = 512  # kernels.c's per-row RoPE buffer
 ENOMEM = 1
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
@@ -243,6 +243,7 @@ def trial(lib: ctypes.CDLL) -> str | None:
         "q4": pack_q4(codes4, s, z, offset=8), "q8": pack_q8(codes8 + 128, s16, None,
                                                            offset=128, group=16),
         "q5": pack_q5((codes8 + 128) >> 3, s, None, offset=16),
+        "q6": pack_q6((codes8 + 128) >> 2, s16, z16, offset=32, group=16),
         "q4k": pack_q4(codes4, s, z, kscales=KScales(
             s[:, :1] * 0.1, s[:, 1:2] * 0.1, torch.randint(0, 64, (n, 1, 8), generator=gen,
                                                            dtype=torch.int8),
@@ -428,7 +429,7 @@ class Panels:
     round_x: bool = False  # inputs rounded to bf16 (the "a16" precisions)
     group: int = 0  # inputs per scale (grouped and a8 kinds)
     offset: int = 0  # a8 kinds: value = code - offset
-    hbits: torch.Tensor | None = None  # Q5: the plane of fifth bits
+    hbits: torch.Tensor | None = None  # Q5: the plane of fifth bits; Q6: fifth, then sixth
     kblock: int = 0  # 256: `scale` holds K-quant super-block tables (KScales), `zero` marks mins
 
     @property
@@ -601,12 +602,32 @@ def pack_q5(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
         raise ValueError("5-bit codes must lie in 0..31")
     low = pack_q4(codes & 0xF, scales, zeros, bias, offset=offset, group=group,
                   kscales=kscales)
-    q = _quads(codes >> 4)  # (P, k / 4, 16, 4) of 0/1: quad 2i + h of octet i
+    return dataclasses.replace(low, kind=KIND_Q5, hbits=_bit_plane(codes, 4))
+
+
+def pack_q6(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP,
+            kscales: KScales | None = None) -> Panels:
+    """6-bit codes 0..63 for the a8 products (GGUF's Q6_K): the low four bits as pack_q4 lays
+    them out, the fifth and the sixth in two bit planes as pack_q5's (32 bytes per octet of
+    inputs and panel: the fifth bits' 16, then the sixth bits'). The products are those of
+    pack_q8 on the same codes, bit for bit (the same integer sums), from 0.75 bytes a weight."""
+    if codes.min() < 0 or codes.max() > 63:
+        raise ValueError("6-bit codes must lie in 0..63")
+    low = pack_q4(codes & 0xF, scales, zeros, bias, offset=offset, group=group,
+                  kscales=kscales)
+    planes = torch.cat([_bit_plane(codes, 4), _bit_plane(codes, 5)], dim=-1).contiguous()
+    return dataclasses.replace(low, kind=KIND_Q6, hbits=planes)
+
+
+def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
+    """(P, k / 8, 16) bytes: for octet i of each panel, bit h*64 + c*4 + j is bit `bit` of
+    input 8i + 4h + j of column c."""
+    q = _quads((codes >> bit) & 1)  # (P, k / 4, 16, 4) of 0/1: quad 2i + h of octet i
     bits = q.reshape(q.shape[0], -1, 2, PANEL * 4)  # (P, k / 8, h, c * 4 + j)
     weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 1, 8)
-    hbits = (bits.view(*bits.shape[:3], 8, 8).to(torch.int32) * weights).sum(-1)
-    hbits = hbits.to(torch.uint8).reshape(q.shape[0], -1, 16).contiguous()  # (P, k / 8, 16)
-    return dataclasses.replace(low, kind=KIND_Q5, hbits=hbits)
+    plane = (bits.view(*bits.shape[:3], 8, 8).to(torch.int32) * weights).sum(-1)
+    return plane.to(torch.uint8).reshape(q.shape[0], -1, 16).contiguous()
 
 
 def _per_group(t: torch.Tensor | None, p: Panels) -> torch.Tensor | None:
@@ -655,13 +676,16 @@ def codes_of(p: Panels) -> torch.Tensor:
         flat = torch.cat([lo, hi], dim=-1)  # (P, k, 16)
     elif p.kind in QUANT_KINDS:
         q = p.w
-        if p.kind in (KIND_Q4, KIND_Q5):
+        if p.kind in (KIND_Q4, KIND_Q5, KIND_Q6):
             q = torch.stack([q & 0xF, q >> 4], dim=2).reshape(q.shape[0], p.k // 4, PANEL, 4)
-        if p.kind == KIND_Q5:
+        if p.kind in (KIND_Q5, KIND_Q6):
             assert p.hbits is not None
-            bits = (p.hbits.view(q.shape[0], p.k // 8, 16, 1).to(torch.int32)
-                    >> torch.arange(8, dtype=torch.int32)) & 1  # (P, k / 8, 16 bytes, 8)
-            q = q | (bits.reshape(q.shape[0], p.k // 4, PANEL, 4) << 4).to(torch.uint8)
+            planes = p.hbits.view(q.shape[0], p.k // 8, -1, 16)  # (P, k / 8, plane, 16 bytes)
+            for plane in range(planes.shape[2]):
+                bits = (planes[:, :, plane, :, None].to(torch.int32)
+                        >> torch.arange(8, dtype=torch.int32)) & 1  # (P, k / 8, 16 bytes, 8)
+                q = q | (bits.reshape(q.shape[0], p.k // 4, PANEL, 4) << (4 + plane)).to(
+                    torch.uint8)
         return q.transpose(1, 2).reshape(-1, p.k)[: p.n]
     else:
         flat = p.w
