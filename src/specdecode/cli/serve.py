@@ -176,6 +176,7 @@ def check_installed() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     check_installed()
     from specdecode.models.backends import load_model
+    from specdecode.models.kernels import release_openmp_threads
     from specdecode.server.app import create_app
     from specdecode.server.background import bind_socket, uvicorn_server
     from specdecode.server.shutdown import drain
@@ -188,6 +189,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     loaded = load_model(args.model, args.precision, args.backend, max_batch=args.max_batch)
     state = build_state(loaded, options)
+    # Every step runs on the engine thread from now on: the OpenMP team this thread kept from
+    # loading and calibrating would slow each of them (kernels.release_openmp_threads).
+    release_openmp_threads()
     host, port = sock.getsockname()[:2]
     store = ""
     factory = state.served.make_drafter
