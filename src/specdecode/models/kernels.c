@@ -720,41 +720,107 @@ int sd_matmul(const float *x, int64_t M, const sd_mat *m, float *y) {
 
 /* ---- attention ---------------------------------------------------------------------------- */
 
+/* The fixed tree that ends a dot product's eight partial sums. */
+static inline float tree8(const float *l) {
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
 /* A dot product over D inputs: eight partial sums (input d into sum d % 8, one fused
- * multiply-add each, in order), then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); for D
- * not a multiple of 8, one chain in order. The same in every build. */
+ * multiply-add each, in order), then tree8; for D not a multiple of 8, one chain in order. The
+ * same in every build. */
 static inline float dot(const float *a, const float *b, int64_t D) {
     if (D % 8 == 0) {
+        float l[8];
 #if SD_ISA >= 2
         __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
         for (int64_t d = 8; d < D; d += 8)
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-        float l[8];
         _mm256_storeu_ps(l, acc);
 #else
-        float l[8];
         for (int i = 0; i < 8; i++) l[i] = a[i] * b[i];
         for (int64_t d = 8; d < D; d += 8)
             for (int i = 0; i < 8; i++) l[i] = fmaf(a[d + i], b[d + i], l[i]);
 #endif
-        return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+        return tree8(l);
     }
     float s = a[0] * b[0];
     for (int64_t d = 1; d < D; d++) s = fmaf(a[d], b[d], s);
     return s;
 }
 
-static inline void axpy(float e, const float *v, float *acc, int64_t D) {
+/* s[i] = dot(q, key idx[i]) * scale for the n attended keys. Vector builds take four keys per
+ * pass (four independent chains instead of one waiting on the last); each key's sums are dot's. */
+static void scores(const float *q, const float *kb, const int64_t *idx, int64_t n, int64_t D,
+                   float scale, float *s) {
+    int64_t i = 0;
+#if SD_ISA >= 2
+    if (D % 8 == 0)
+        for (; i + 4 <= n; i += 4) {
+            const float *k0 = kb + idx[i] * D, *k1 = kb + idx[i + 1] * D;
+            const float *k2 = kb + idx[i + 2] * D, *k3 = kb + idx[i + 3] * D;
+            __m256 qd = _mm256_loadu_ps(q);
+            __m256 a0 = _mm256_mul_ps(qd, _mm256_loadu_ps(k0));
+            __m256 a1 = _mm256_mul_ps(qd, _mm256_loadu_ps(k1));
+            __m256 a2 = _mm256_mul_ps(qd, _mm256_loadu_ps(k2));
+            __m256 a3 = _mm256_mul_ps(qd, _mm256_loadu_ps(k3));
+            for (int64_t d = 8; d < D; d += 8) {
+                qd = _mm256_loadu_ps(q + d);
+                a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
+                a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
+                a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+            }
+            float l[4][8];
+            _mm256_storeu_ps(l[0], a0);
+            _mm256_storeu_ps(l[1], a1);
+            _mm256_storeu_ps(l[2], a2);
+            _mm256_storeu_ps(l[3], a3);
+            for (int j = 0; j < 4; j++) s[i + j] = tree8(l[j]) * scale;
+        }
+#endif
+    for (; i < n; i++) s[i] = dot(q, kb + idx[i] * D, D) * scale;
+}
+
+/* acc[d] = the sum over i in order of e[i] * value idx[i] [d], one fused multiply-add each from
+ * 0 (every build). Vector builds hold 64 of the D sums in registers across all keys instead of
+ * loading and storing them for each key. */
+#if SD_ISA >= 2
+SD_INLINE void values_span(const float *e, const float *vb, const int64_t *idx, int64_t n,
+                           int64_t D, int64_t c0, const int W, float *acc) {
+    __m256 r[8];
+    for (int k = 0; k < W / 8; k++) r[k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        __m256 eb = _mm256_set1_ps(e[i]);
+        const float *v = vb + idx[i] * D + c0;
+        for (int k = 0; k < W / 8; k++) r[k] = _mm256_fmadd_ps(eb, _mm256_loadu_ps(v + 8 * k), r[k]);
+    }
+    for (int k = 0; k < W / 8; k++) _mm256_storeu_ps(acc + c0 + 8 * k, r[k]);
+}
+#endif
+static void weighted_values(const float *e, const float *vb, const int64_t *idx, int64_t n,
+                            int64_t D, float *acc) {
 #if SD_ISA >= 2
     if (D % 8 == 0) {
-        __m256 eb = _mm256_set1_ps(e);
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(acc + d,
-                             _mm256_fmadd_ps(eb, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+        for (int64_t c0 = 0; c0 < D; c0 += 64) {
+            switch (D - c0 >= 64 ? 64 : D - c0) {
+            case 64: values_span(e, vb, idx, n, D, c0, 64, acc); break;
+            case 56: values_span(e, vb, idx, n, D, c0, 56, acc); break;
+            case 48: values_span(e, vb, idx, n, D, c0, 48, acc); break;
+            case 40: values_span(e, vb, idx, n, D, c0, 40, acc); break;
+            case 32: values_span(e, vb, idx, n, D, c0, 32, acc); break;
+            case 24: values_span(e, vb, idx, n, D, c0, 24, acc); break;
+            case 16: values_span(e, vb, idx, n, D, c0, 16, acc); break;
+            default: values_span(e, vb, idx, n, D, c0, 8, acc); break;
+            }
+        }
         return;
     }
 #endif
-    for (int64_t d = 0; d < D; d++) acc[d] = fmaf(e, v[d], acc[d]);
+    memset(acc, 0, sizeof(float) * (size_t)D);
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = vb + idx[i] * D;
+        for (int64_t d = 0; d < D; d++) acc[d] = fmaf(e[i], v[d], acc[d]);
+    }
 }
 
 typedef struct {
@@ -765,44 +831,61 @@ typedef struct {
     int64_t used;
 } sd_attn;
 
+/* One thread's attention scratch: scores and exponentials, the attended slots, the sums. */
+typedef struct {
+    float *s;
+    int64_t *idx;
+    float *acc;
+} sd_att_scratch;
+
+/* Allocated inside the parallel region; 0 if an allocation failed (the caller reports it
+ * through a shared flag, checked after the region, before anything is trusted). */
+static int att_scratch_alloc(sd_att_scratch *t, int64_t used, int64_t D) {
+    size_t n = (size_t)(used > 0 ? used : 1);
+    t->s = (float *)malloc(sizeof(float) * n);
+    t->idx = (int64_t *)malloc(sizeof(int64_t) * n);
+    t->acc = (float *)malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
+    return t->s && t->idx && t->acc;
+}
+
+static void att_scratch_free(sd_att_scratch *t) {
+    free(t->s);
+    free(t->idx);
+    free(t->acc);
+}
+
 /* out (R, NH, D) = softmax(q k^T / sqrt(D)) v per query row and head; q row r head h at
- * q + r * q_row + h * D. Inside a parallel region; s: `used` floats of this thread. */
+ * q + r * q_row + h * D. Per row and head: the attended slots in slot order, their scores, the
+ * maximum, then exponentials summed and values accumulated in that order. Inside a parallel
+ * region; t: this thread's scratch. */
 static void attention_in_region(const float *q, int64_t q_row, int64_t R, int64_t NH, int64_t D,
-                                const sd_attn *a, float *out, float *s, float *acc) {
+                                const sd_attn *a, float *out, const sd_att_scratch *t) {
     int64_t group = NH / a->kvh;
     float scale = 1.0f / sqrtf((float)D);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < R * NH; t++) {
-        int64_t r = t / NH, h = t % NH, g = h / group;
+    for (int64_t task = 0; task < R * NH; task++) {
+        int64_t r = task / NH, h = task % NH, g = h / group;
         const float *qv = q + r * q_row + h * D;
         const float *kb = a->kc + a->rows[r] * a->c_row + g * a->c_head;
         const float *vb = a->vc + a->rows[r] * a->c_row + g * a->c_head;
         const uint8_t *mr = a->mask ? a->mask + r * a->used : NULL;
+        int64_t n = 0;
+        for (int64_t j = 0; j < a->used; j++)
+            if (!mr || mr[j]) t->idx[n++] = j; /* a masked key is skipped, never added as 0 */
+        scores(qv, kb, t->idx, n, D, scale, t->s);
         float mx = -INFINITY;
-        for (int64_t j = 0; j < a->used; j++) {
-            if (mr && !mr[j]) continue;
-            s[j] = dot(qv, kb + j * D, D) * scale;
-            if (s[j] > mx) mx = s[j];
-        }
+        for (int64_t i = 0; i < n; i++)
+            if (t->s[i] > mx) mx = t->s[i];
         float sum = 0.0f;
-        memset(acc, 0, sizeof(float) * (size_t)D);
-        for (int64_t j = 0; j < a->used; j++) {
-            if (mr && !mr[j]) continue;
-            float e = expf(s[j] - mx);
+        for (int64_t i = 0; i < n; i++) {
+            float e = expf(t->s[i] - mx);
+            t->s[i] = e;
             sum += e;
-            axpy(e, vb + j * D, acc, D);
         }
+        weighted_values(t->s, vb, t->idx, n, D, t->acc);
         float *o = out + (r * NH + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = acc[d] / sum;
+        for (int64_t d = 0; d < D; d++) o[d] = t->acc[d] / sum;
     }
-}
-
-/* Per-thread attention scratch, allocated inside the parallel region; a failure is reported
- * through *failed (checked after the region, before anything is trusted). */
-static int thread_scratch(int64_t used, int64_t D, float **s, float **acc) {
-    *s = (float *)malloc(sizeof(float) * (size_t)(used > 0 ? used : 1));
-    *acc = (float *)malloc(sizeof(float) * (size_t)(D > 0 ? D : 1));
-    return *s && *acc;
 }
 
 int sd_attention(const float *q, int64_t q_row, int64_t R, int64_t NH, int64_t D,
@@ -810,16 +893,14 @@ int sd_attention(const float *q, int64_t q_row, int64_t R, int64_t NH, int64_t D
     int failed = 0;
 #pragma omp parallel
     {
-        float *s, *acc;
-        int ok = thread_scratch(a->used, D, &s, &acc);
-        if (!ok) {
+        sd_att_scratch t;
+        if (!att_scratch_alloc(&t, a->used, D)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) attention_in_region(q, q_row, R, NH, D, a, out, s, acc);
-        free(s);
-        free(acc);
+        if (!failed) attention_in_region(q, q_row, R, NH, D, a, out, &t);
+        att_scratch_free(&t);
     }
     return failed ? SD_ENOMEM : 0;
 }
@@ -893,7 +974,7 @@ static int block_buf_alloc(sd_block_buf *u, const sd_block_w *b, int64_t M, int6
 /* The block on x inside a parallel region (s, acc: this thread's attention scratch). */
 static void block_in_region(float *x, int64_t M, const sd_block_w *b, const float *cos,
                             const float *sin, const int64_t *slots, const sd_attn *a,
-                            sd_block_buf *u, float *s, float *acc) {
+                            sd_block_buf *u, const sd_att_scratch *t) {
     int64_t H = b->hidden, NH = b->heads, KVH = b->kv_heads, D = b->head_dim, I = b->inter;
     int64_t NQKV = (NH + 2 * KVH) * D, half = D / 2;
     rms_norm_rows(x, M, H, b->attn_norm, b->eps, u->h);
@@ -915,7 +996,7 @@ static void block_in_region(float *x, int64_t M, const sd_block_w *b, const floa
             memcpy((float *)a->vc + off, row + (NH + KVH + g) * D, sizeof(float) * (size_t)D);
         }
     }
-    attention_in_region(u->qkv, NQKV, M, NH, D, a, u->att, s, acc);
+    attention_in_region(u->qkv, NQKV, M, NH, D, a, u->att, t);
     matmul_in_region(u->att, M, &b->o, x, H, 1, &u->sc); /* x += att Wo^T */
     rms_norm_rows(x, M, H, b->mlp_norm, b->eps, u->h);
     matmul_in_region(u->h, M, &b->gate_up, u->gu, 2 * I, 0, &u->sc);
@@ -938,15 +1019,14 @@ int sd_block(float *x, int64_t M, const sd_block_w *b, const float *cos, const f
     int failed = 0;
 #pragma omp parallel
     {
-        float *s, *acc;
-        if (!thread_scratch(a->used, b->head_dim, &s, &acc)) {
+        sd_att_scratch t;
+        if (!att_scratch_alloc(&t, a->used, b->head_dim)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) block_in_region(x, M, b, cos, sin, slots, a, &u, s, acc);
-        free(s);
-        free(acc);
+        if (!failed) block_in_region(x, M, b, cos, sin, slots, a, &u, &t);
+        att_scratch_free(&t);
     }
     block_buf_free(&u);
     return failed ? SD_ENOMEM : 0;
@@ -981,15 +1061,15 @@ int sd_forward(float *x, int64_t M, int64_t n_layers, const sd_block_w *blocks,
     int failed = 0;
 #pragma omp parallel
     {
-        float *s, *acc;
-        if (!thread_scratch(used_max, blocks[0].head_dim, &s, &acc)) {
+        sd_att_scratch t;
+        if (!att_scratch_alloc(&t, used_max, blocks[0].head_dim)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {
             for (int64_t l = 0; l < n_layers; l++) {
-                block_in_region(x, M, &blocks[l], cos, sin, slots, &attns[l], &u, s, acc);
+                block_in_region(x, M, &blocks[l], cos, sin, slots, &attns[l], &u, &t);
             }
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n_which; i++) {
@@ -1001,8 +1081,7 @@ int sd_forward(float *x, int64_t M, int64_t n_layers, const sd_block_w *blocks,
             }
             if (n_which > 0) matmul_in_region(hx, n_which, head, logits, head->n, 0, &hs);
         }
-        free(s);
-        free(acc);
+        att_scratch_free(&t);
     }
     free(hx);
     scratch_free(&hs);
