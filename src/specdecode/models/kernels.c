@@ -514,14 +514,15 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
                 for (int j = 0; j < NP; j++) {
                     __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + i) * 64);
                     __typeof__(q_load(w)) lo = q_lo(b), hi = q_hi(b);
-                    if (kind == KIND_Q5) {
-                        const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 16;
+                    if (kind == KIND_Q5 || kind == KIND_Q6) { /* one or two bit planes */
+                        const int planes = kind == KIND_Q6 ? 2 : 1;
+                        const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 16 * planes;
                         lo = q_high(lo, h, 16);
                         hi = q_high(hi, h + 8, 16);
-                    } else if (kind == KIND_Q6) {
-                        const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 32;
-                        lo = q_high(q_high(lo, h, 16), h + 16, 32);
-                        hi = q_high(q_high(hi, h + 8, 16), h + 24, 32);
+                        if (planes == 2) {
+                            lo = q_high(lo, h + 16, 32);
+                            hi = q_high(hi, h + 24, 32);
+                        }
                     }
                     for (int r = 0; r < R; r++) {
                         int32_t x4a, x4b;
@@ -801,18 +802,9 @@ static void weighted_values(const float *e, const float *vb, const int64_t *idx,
                             int64_t D, float *acc) {
 #if SD_ISA >= 2
     if (D % 8 == 0) {
-        for (int64_t c0 = 0; c0 < D; c0 += 64) {
-            switch (D - c0 >= 64 ? 64 : D - c0) {
-            case 64: values_span(e, vb, idx, n, D, c0, 64, acc); break;
-            case 56: values_span(e, vb, idx, n, D, c0, 56, acc); break;
-            case 48: values_span(e, vb, idx, n, D, c0, 48, acc); break;
-            case 40: values_span(e, vb, idx, n, D, c0, 40, acc); break;
-            case 32: values_span(e, vb, idx, n, D, c0, 32, acc); break;
-            case 24: values_span(e, vb, idx, n, D, c0, 24, acc); break;
-            case 16: values_span(e, vb, idx, n, D, c0, 16, acc); break;
-            default: values_span(e, vb, idx, n, D, c0, 8, acc); break;
-            }
-        }
+        int64_t c0 = 0;
+        for (; c0 + 64 <= D; c0 += 64) values_span(e, vb, idx, n, D, c0, 64, acc);
+        for (; c0 < D; c0 += 8) values_span(e, vb, idx, n, D, c0, 8, acc); /* each its own pass */
         return;
     }
 #endif
