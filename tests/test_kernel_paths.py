@@ -332,3 +332,41 @@ def test_q6_panels_compute_the_byte_panels_bits_from_fewer_bytes() -> None:
     planes = q6.hbits.view(q6.hbits.shape[0], K // 8, 2, 16)
     swapped = dataclasses.replace(q6, hbits=planes.flip(2).reshape_as(q6.hbits).contiguous())
     assert not torch.equal(kernels.matmul(X[:4], swapped), kernels.matmul(X[:4], q8))
+
+
+def _largest_sums() -> dict[str, Panels]:
+    """Each nibble kind's largest code everywhere, for activations that all round to +-127: the
+    largest integer sums a group can have (the AVX2 build adds 4-bit products in int16 across
+    a whole group, Q5's and Q6's per octet)."""
+    s32, s16 = torch.full((N, K // 32), 0.01), torch.full((N, K // 16), 0.01)
+    full = torch.full((N, K), 1)
+    return {"q4": kernels.pack_q4(full * 15, s32, None, offset=8),
+            "q4-g16": kernels.pack_q4(full * 15, s16, None, offset=8, group=16),
+            "q5": kernels.pack_q5(full * 31, s32, None, offset=16),
+            "q6-g16": kernels.pack_q6(full * 63, s16, None, offset=32, group=16)}
+
+
+X_EXTREME = torch.cat([torch.ones(3, K), -torch.ones(3, K), X[:3]])
+
+
+@pytest.mark.parametrize("name", [p.name for p in kernels.PATHS])
+def test_the_largest_integer_sums_are_exact_on_every_path(name: str,
+                                                          scalar: ctypes.CDLL) -> None:
+    lib = _lib(name)
+    for case, panels in _largest_sums().items():
+        ref = _matmul(scalar, X_EXTREME, panels)
+        assert torch.equal(ref[0], -ref[3]) and float(ref[0].abs().min()) > 0, case
+        for rows in (1, 4, 9):
+            assert torch.equal(_matmul(lib, X_EXTREME[:rows], panels), ref[:rows]), (case, rows)
+
+
+def test_int16_sums_wider_than_their_bound_are_caught() -> None:
+    """The broken variant keeps Q5's and Q6's sums in int16 across a group as Q4's are kept;
+    the largest sums then wrap, and the comparison above would see it (Q4's stay exact)."""
+    broken, scalar_lib = _lib("avx2", ("-DSD_BROKEN_INT16",)), _lib("scalar")
+    cases = _largest_sums()
+    for case in ("q5", "q6-g16"):
+        assert not torch.equal(_matmul(broken, X_EXTREME, cases[case]),
+                               _matmul(scalar_lib, X_EXTREME, cases[case])), case
+    assert torch.equal(_matmul(broken, X_EXTREME, cases["q4"]),
+                       _matmul(scalar_lib, X_EXTREME, cases["q4"]))

@@ -86,6 +86,9 @@
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2, KIND_I4 = 3, KIND_I8G = 4, KIND_Q4 = 5, KIND_Q8 = 6,
        KIND_Q5 = 7, KIND_Q6 = 8 };
 #define GROUPED(kind) ((kind) == KIND_I4 || (kind) == KIND_I8G)
+/* log2 of a grouped or a8 kind's inputs per group, 16 or 32 (kernels.py refuses others): a
+ * shift where a 64-bit division once a group and panel cost as much as the group's products */
+SD_INLINE int group_shift(int64_t group) { return group == 16 ? 4 : 5; }
 #define QUANT(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q8 || (kind) == KIND_Q5 || (kind) == KIND_Q6)
 
 
@@ -296,6 +299,17 @@ SD_INLINE i16v i_dot4(i16v acc, __m512i w, int32_t x4, int signed_w) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(t, _mm512_set1_epi16(1)));
 #endif
 }
+/* An octet of a nibble kind: two quads against a row's codes xa, xb, in int32 (the AVX2 build
+ * has an int16 stage; this build has not been measured with one). */
+typedef i16v p16v;
+SD_INLINE p16v p_zero(void) { return i_zero(); }
+SD_INLINE p16v p_octet(p16v acc, __m512i lo, __m512i hi, int32_t xa, int32_t xb) {
+    return i_dot4(i_dot4(acc, lo, xa, 0), hi, xb, 0);
+}
+SD_INLINE i16v p_widen(p16v acc) { return acc; }
+SD_INLINE i16v i_octet(i16v acc, __m512i lo, __m512i hi, int32_t xa, int32_t xb) {
+    return p_octet(acc, lo, hi, xa, xb);
+}
 SD_INLINE __m512i q_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 /* 64 codes plus v (16 or 32) where their bit in the 8 bytes at h is set (Q5's and Q6's high
  * bits) */
@@ -340,6 +354,31 @@ typedef struct { __m256i a, b; } q64;
 SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
     __m256i xv = _mm256_set1_epi32(x4);
     i16v r = {dot4_half(acc.a, w.a, xv, signed_w), dot4_half(acc.b, w.b, xv, signed_w)};
+    return r;
+}
+/* An octet of a nibble kind (codes 0..63): two quads against a row's codes xa, xb. The two
+ * pairwise int16 sums are added before widening: each is at most 2 x 63 x 127, so their sum
+ * fits in int16 (32004) and one widening serves both. */
+typedef i16v p16v;
+SD_INLINE p16v p_zero(void) { return i_zero(); }
+SD_INLINE __m256i pair16(__m256i lo, __m256i hi, __m256i xa, __m256i xb) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
+}
+SD_INLINE p16v p_octet(p16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
+    __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
+    p16v r = {_mm256_add_epi16(acc.a, pair16(lo.a, hi.a, va, vb)),
+              _mm256_add_epi16(acc.b, pair16(lo.b, hi.b, va, vb))};
+    return r;
+}
+SD_INLINE i16v p_widen(p16v acc) {
+    __m256i one = _mm256_set1_epi16(1);
+    i16v r = {_mm256_madd_epi16(acc.a, one), _mm256_madd_epi16(acc.b, one)};
+    return r;
+}
+SD_INLINE i16v i_octet(i16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
+    __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb), one = _mm256_set1_epi16(1);
+    i16v r = {_mm256_add_epi32(acc.a, _mm256_madd_epi16(pair16(lo.a, hi.a, va, vb), one)),
+              _mm256_add_epi32(acc.b, _mm256_madd_epi16(pair16(lo.b, hi.b, va, vb), one))};
     return r;
 }
 SD_INLINE q64 q_load(const uint8_t *p) {
@@ -417,6 +456,15 @@ SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
         }
     return acc;
 }
+typedef i16v p16v; /* exact int32 sums: the portable build has no int16 stage */
+SD_INLINE p16v p_zero(void) { return i_zero(); }
+SD_INLINE p16v p_octet(p16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
+    return i_dot4(i_dot4(acc, lo, xa, 0), hi, xb, 0);
+}
+SD_INLINE i16v p_widen(p16v acc) { return acc; }
+SD_INLINE i16v i_octet(i16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
+    return p_octet(acc, lo, hi, xa, xb);
+}
 SD_INLINE q64 q_load(const uint8_t *p) { q64 r; memcpy(r.b, p, 64); return r; }
 SD_INLINE q64 q_lo(q64 b) { for (int i = 0; i < 64; i++) b.b[i] &= 0xf; return b; }
 SD_INLINE q64 q_hi(q64 b) { for (int i = 0; i < 64; i++) b.b[i] >>= 4; return b; }
@@ -455,13 +503,14 @@ SD_INLINE int32_t group_correction(const sd_mat *m, int kind, const int32_t *s16
 /* Group g's 16 scales and zeros of panel p: straight from the fp32 tables, or computed from
  * the K-quant form (d * sc, -(dmin * m): exact in fp32, so the same values). */
 SD_INLINE void group_scales(const sd_mat *m, int64_t p, int64_t g, yv16 *scale, yv16 *zero) {
-    int64_t G = m->group, NG = m->k / G;
+    const int lg = group_shift(m->group);
+    int64_t NG = m->k >> lg;
     if (!m->kblock) {
         *scale = y_load(m->scale + (p * NG + g) * PANEL);
         *zero = m->zero ? y_load(m->zero + (p * NG + g) * PANEL) : y_zero();
         return;
     }
-    int64_t per = 256 / G, sb = g / per, gi = g % per;
+    int64_t per = (int64_t)256 >> lg, sb = g >> (8 - lg), gi = g & (per - 1);
     int64_t bytes = (m->zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
     const uint8_t *base = (const uint8_t *)m->scale + (p * (m->k / 256) + sb) * bytes;
     const float *d = (const float *)base;
@@ -475,7 +524,7 @@ SD_INLINE void group_scales(const sd_mat *m, int64_t p, int64_t g, yv16 *scale, 
  * wait there between groups: the registers hold the integer sums of one group). */
 SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
                            int NP, int R, float out[][CHUNK][PANEL]) {
-    int64_t K = m->k, G = m->group, NG = K / G, orow = r0 % CHUNK;
+    int64_t K = m->k, G = m->group, NG = K >> group_shift(G), orow = r0 % CHUNK;
 #if SD_ISA == 3 && SD_VNNI
     const int signed_w = 0;
 #else
@@ -510,6 +559,19 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
                 }
             }
         } else {
+            /* 4-bit codes keep a whole group's sums in int16 where the paths have such a stage:
+             * at most 2 x 15 x 127 per octet and quad pair, 8 quads (32 inputs) 30480. Q5's and
+             * Q6's codes would overflow it; they widen every octet (i_octet). */
+#ifdef SD_BROKEN_INT16
+            /* A deliberately broken variant for the tests (never built otherwise): every
+             * nibble kind in int16 across its group, which wraps on Q5's and Q6's largest sums. */
+            const int narrow = 1;
+#else
+            const int narrow = kind == KIND_Q4 && G <= 32;
+#endif
+            p16v pacc[QROWS_MAX][QNP_MAX];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < NP; j++) pacc[r][j] = p_zero();
             for (int64_t i = g * G / 8; i < (g + 1) * G / 8; i++) {
                 for (int j = 0; j < NP; j++) {
                     __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + i) * 64);
@@ -528,10 +590,14 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
                         int32_t x4a, x4b;
                         memcpy(&x4a, qr->q + (r0 + r) * K + 8 * i, 4);
                         memcpy(&x4b, qr->q + (r0 + r) * K + 8 * i + 4, 4);
-                        acc[r][j] = i_dot4(i_dot4(acc[r][j], lo, x4a, 0), hi, x4b, 0);
+                        if (narrow) pacc[r][j] = p_octet(pacc[r][j], lo, hi, x4a, x4b);
+                        else acc[r][j] = i_octet(acc[r][j], lo, hi, x4a, x4b);
                     }
                 }
             }
+            if (narrow)
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < NP; j++) acc[r][j] = p_widen(pacc[r][j]);
         }
         yv16 gs[QNP_MAX], gz[QNP_MAX];
         int has_zero = m->zero != NULL;

@@ -397,6 +397,16 @@ def available() -> bool:
     return library() is not None
 
 
+def bit_planes_pay() -> bool:
+    """Whether 5- and 6-bit codes (GGUF's Q5_K, Q6_K, ...) are held as 4-bit panels plus bit
+    planes (pack_q5, pack_q6: 0.63 / 0.75 bytes a weight) rather than as bytes (pack_q8: 1).
+    Both hold the same codes and give the same bits. With AVX-512's mask registers a plane
+    costs one instruction per 64 codes; AVX2 has none, and spreading the bits out cost more
+    than the bytes save (a Q6_K matrix's one-row product 2.2x slower than as bytes, on a Zen 4
+    with AVX-512 hidden: docs/measurements/2026-12-07-avx2-a8.md)."""
+    return (path_name() or "").startswith("avx512")
+
+
 def _lib() -> ctypes.CDLL:
     lib = library()
     if lib is None:

@@ -126,7 +126,7 @@ SD_INLINE v16 decode_k(const sd_mat *m, int kind, int64_t p, int64_t k) {
 SD_INLINE int64_t span_of(const sd_mat *m, int kind) { return GROUPED(kind) ? m->group : m->k; }
 
 SD_INLINE v16 fold_group(const sd_mat *m, int64_t p, int64_t g, v16 a, float sx, v16 y) {
-    int64_t G = m->k / m->group;
+    int64_t G = m->k >> group_shift(m->group);
     y = v_fma(a, v_load(m->scale + (p * G + g) * PANEL), y);
     if (m->zero) y = v_fma(v_set1(sx), v_load(m->zero + (p * G + g) * PANEL), y);
     return y;
@@ -167,8 +167,8 @@ SD_INLINE void panel_direct(const float *x, int64_t ldx, const float *xs, int64_
         if (GROUPED(kind))
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < NP; j++)
-                    y[r][j] = fold_group(m, p + j, k0 / span, a[r][j],
-                                         xs ? xs[r * ldxs + k0 / span] : 0.0f, y[r][j]);
+                    y[r][j] = fold_group(m, p + j, k0 >> group_shift(span), a[r][j],
+                                         xs ? xs[r * ldxs + (k0 >> group_shift(span))] : 0.0f, y[r][j]);
     }
     for (int j = 0; j < NP; j++)
         for (int r = 0; r < R; r++)
@@ -227,8 +227,8 @@ SD_INLINE void panel_buffered(const float *x, int64_t ldx, const float *xs, int6
             if (GROUPED(kind))
                 for (int r = 0; r < R; r++)
                     v_store(out[r0 + r],
-                            fold_group(m, p, k0 / step, v_load(ar + r * PANEL),
-                                       xs ? xs[(r0 + r) * ldxs + k0 / step] : 0.0f,
+                            fold_group(m, p, k0 >> group_shift(step), v_load(ar + r * PANEL),
+                                       xs ? xs[(r0 + r) * ldxs + (k0 >> group_shift(step))] : 0.0f,
                                        v_load(out[r0 + r])));
         }
     }
