@@ -13,7 +13,8 @@ baseline of the report's ratios):
   on the 1.5B, plain, as its users run it (its process sets no GGML_CPU_TILED_MM);
 - `server`: llama.cpp's `llama-server -m 1.5B` (scripts/build_llama_server.py: llama.cpp's
   defaults, llamafile's sgemm on), plain;
-- `server-md`: `llama-server -m 1.5B -md 0.5B --spec-draft-n-max N` (--draft-max, default 8);
+- `server-md`: `llama-server -m 1.5B -md 0.5B --spec-type draft-simple --spec-draft-n-max N`
+  (--draft-max, default 8);
 - `lcpp`, `lcpp-draft`, `lcpp-ngram`: `specdecode serve --backend llama.cpp` on the 1.5B: plain,
   `--drafter draft-model --draft-model qwen2.5-coder-0.5b --k auto`, `--drafter ngram --k auto`;
 - `native`, `native-draft`: `specdecode serve` on the native runner (the precision `auto` gives:
@@ -98,7 +99,10 @@ def launch(name: str, port: int, threads: int, draft_max: int,
                "--port", str(port), "-t", str(threads), "-c", "4096", "-np", "1",
                "--metrics"]  # its spec_decode_* counters, under vLLM's names
         if name == "server-md":
-            cmd += ["-md", model_path(DRAFT), "--spec-draft-n-max", str(draft_max)]
+            # this llama.cpp infers a type only from MTP / DFlash drafts: without --spec-type a
+            # plain -md draft loads and never drafts (the runs before 2026-12-07 session 5)
+            cmd += ["-md", model_path(DRAFT), "--spec-type", "draft-simple",
+                    "--spec-draft-n-max", str(draft_max)]
         return Launch(name, cmd, "/health", env)
     backend = ["--backend", "llama.cpp"] if name.startswith("lcpp") else []
     a8 = ["--precision", "checkpoint-a8"]
