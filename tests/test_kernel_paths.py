@@ -360,10 +360,10 @@ def test_the_largest_integer_sums_are_exact_on_every_path(name: str,
             assert torch.equal(_matmul(lib, X_EXTREME[:rows], panels), ref[:rows]), (case, rows)
 
 
-def test_int16_sums_wider_than_their_bound_are_caught() -> None:
+def test_int16_sums_wider_than_their_bound_are_caught(scalar: ctypes.CDLL) -> None:
     """The broken variant keeps Q5's and Q6's sums in int16 across a group as Q4's are kept;
     the largest sums then wrap, and the comparison above would see it (Q4's stay exact)."""
-    broken, scalar_lib = _lib("avx2", ("-DSD_BROKEN_INT16",)), _lib("scalar")
+    broken, scalar_lib = _lib("avx2", ("-DSD_BROKEN_INT16",)), scalar
     cases = _largest_sums()
     for case in ("q5", "q6-g16"):
         assert not torch.equal(_matmul(broken, X_EXTREME, cases[case]),

@@ -277,10 +277,11 @@ def panels(b: Blocks, mode: str, bias: torch.Tensor | None = None) -> kernels.Pa
     zero = None if b.zero is None else torch.from_numpy(
         np.ascontiguousarray(b.zero, dtype=np.float32))
     if mode == "a8":
-        planes = kernels.bit_planes_pay()  # else 5- and 6-bit codes as bytes, the same bits
-        pack = {4: kernels.pack_q4, 5: kernels.pack_q5 if planes else kernels.pack_q8,
-                6: kernels.pack_q6 if planes else kernels.pack_q8}.get(max(b.bits, 4),
-                                                                     kernels.pack_q8)
+        bits = max(b.bits, 4)
+        if bits in (5, 6) and not kernels.bit_planes_pay():
+            bits = 8  # the same codes as bytes: the same bits
+        pack = {4: kernels.pack_q4, 5: kernels.pack_q5, 6: kernels.pack_q6}.get(bits,
+                                                                                kernels.pack_q8)
         kscales = None
         if b.kq is not None:  # the file's own scales: 0.09 bytes a weight, not 0.25
             d, dmin, sc, mn = (None if a is None else torch.from_numpy(np.ascontiguousarray(a))

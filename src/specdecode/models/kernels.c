@@ -299,17 +299,7 @@ SD_INLINE i16v i_dot4(i16v acc, __m512i w, int32_t x4, int signed_w) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(t, _mm512_set1_epi16(1)));
 #endif
 }
-/* An octet of a nibble kind: two quads against a row's codes xa, xb, in int32 (the AVX2 build
- * has an int16 stage; this build has not been measured with one). */
-typedef i16v p16v;
-SD_INLINE p16v p_zero(void) { return i_zero(); }
-SD_INLINE p16v p_octet(p16v acc, __m512i lo, __m512i hi, int32_t xa, int32_t xb) {
-    return i_dot4(i_dot4(acc, lo, xa, 0), hi, xb, 0);
-}
-SD_INLINE i16v p_widen(p16v acc) { return acc; }
-SD_INLINE i16v i_octet(i16v acc, __m512i lo, __m512i hi, int32_t xa, int32_t xb) {
-    return p_octet(acc, lo, hi, xa, xb);
-}
+typedef __m512i q64; /* 64 codes, as the other builds name them */
 SD_INLINE __m512i q_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 /* 64 codes plus v (16 or 32) where their bit in the 8 bytes at h is set (Q5's and Q6's high
  * bits) */
@@ -456,15 +446,6 @@ SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
         }
     return acc;
 }
-typedef i16v p16v; /* exact int32 sums: the portable build has no int16 stage */
-SD_INLINE p16v p_zero(void) { return i_zero(); }
-SD_INLINE p16v p_octet(p16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
-    return i_dot4(i_dot4(acc, lo, xa, 0), hi, xb, 0);
-}
-SD_INLINE i16v p_widen(p16v acc) { return acc; }
-SD_INLINE i16v i_octet(i16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
-    return p_octet(acc, lo, hi, xa, xb);
-}
 SD_INLINE q64 q_load(const uint8_t *p) { q64 r; memcpy(r.b, p, 64); return r; }
 SD_INLINE q64 q_lo(q64 b) { for (int i = 0; i < 64; i++) b.b[i] &= 0xf; return b; }
 SD_INLINE q64 q_hi(q64 b) { for (int i = 0; i < 64; i++) b.b[i] >>= 4; return b; }
@@ -487,6 +468,21 @@ SD_INLINE v16 k_scale(const float *d, const int8_t *sc) {
     return r;
 }
 SD_INLINE v16 y_neg(v16 v) { for (int c = 0; c < PANEL; c++) v.f[c] = -v.f[c]; return v; }
+#endif
+
+#if SD_ISA != 2
+/* An octet of a nibble kind (two quads against a row's codes xa, xb) where the build has no
+ * int16 stage (AVX2's, above): the partial sums are the int32 sums themselves. AVX-512 has not
+ * been measured with one. */
+typedef i16v p16v;
+SD_INLINE p16v p_zero(void) { return i_zero(); }
+SD_INLINE p16v p_octet(p16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
+    return i_dot4(i_dot4(acc, lo, xa, 0), hi, xb, 0);
+}
+SD_INLINE i16v p_widen(p16v acc) { return acc; }
+SD_INLINE i16v i_octet(i16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
+    return p_octet(acc, lo, hi, xa, xb);
+}
 #endif
 
 /* The correction that turns a group's raw dot products into sum (code - offset) * q, and
