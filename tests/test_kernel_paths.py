@@ -29,7 +29,7 @@ from specdecode.models.kernels import Panels
 
 pytestmark = pytest.mark.skipif(kernels._compiler() is None, reason="no C compiler")
 
-N, K = 40, 256
+N, K = 40, 512  # two K-quant super-blocks
 
 
 def _lib(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -160,10 +160,11 @@ def _run_block(lib: ctypes.CDLL, blk: dict[str, Any]) -> torch.Tensor:
 
 
 def _a8_reference(x: torch.Tensor, p: Panels) -> torch.Tensor:
-    """What the a8 kinds claim: each row's inputs rounded to int8 per block of 32 (in fp32 as
-    the kernels do: d = max|x| / 127, codes x * (127 / max|x|) rounded half to even), then the
-    exact product with (code - offset) * scale (+ zero), in float64."""
-    xb = x.float().view(x.shape[0], -1, 32)
+    """What the a8 kinds claim: each row's inputs rounded to int8 per block of 32, or of 256 where
+    the scales are a K-quant's (in fp32 as the kernels do: d = max|x| / 127, codes
+    x * (127 / max|x|) rounded half to even), then the exact product with (code - offset) * scale
+    (+ zero), in float64."""
+    xb = x.float().view(x.shape[0], -1, 256 if p.kblock else 32)
     amax = xb.abs().amax(-1, keepdim=True)
     d = amax / 127
     q = torch.where(amax > 0, torch.round(xb * (127 / amax)), torch.zeros_like(xb))

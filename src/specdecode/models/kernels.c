@@ -19,7 +19,9 @@
  *   int8 per block of 32 (one scale per block, by one scalar routine in every build); a group's
  *   products are summed in int32, which is exact whatever the order or the instruction (VNNI's
  *   dot products, AVX2's pairwise sums, scalar loops agree), then folded into y in fp32 in group
- *   order as above.
+ *   order as above. Matrices with K-quant scales (GGUF's Q4_K, Q5_K, Q6_K) round a row's inputs
+ *   per super-block of 256 instead (llama.cpp's Q8_K does the same), so a super-block's groups
+ *   times their integer sub-scales are one exact int32 sum, folded once, in super-block order.
  * - attention: per query row and head, the scores of the attended keys in slot order, their
  *   maximum, then the exponentials summed and the values accumulated in slot order; a key that
  *   is masked out is skipped, never added as a zero. Dot products over the head dimension use
@@ -217,53 +219,58 @@ typedef struct {
     float *xs;    /* (M, K / group) or NULL */
 } sd_qrows;
 
-static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *d,
+static void quantize_row(const float *x, int64_t K, int group, int qb, int8_t *q, float *d,
                          int32_t *s16, float *xs) {
-    for (int64_t b = 0; b < K / QBLOCK; b++) {
-        const float *xb = x + b * QBLOCK;
+    for (int64_t b = 0; b < K / qb; b++) {
+        const float *xb = x + b * qb;
         float amax = 0.0f;
-        for (int i = 0; i < QBLOCK; i++) {
+        for (int i = 0; i < qb; i++) {
             float v = fabsf(xb[i]);
             amax = v > amax ? v : amax;
         }
         float db = amax / 127.0f, id = db > 0.0f ? 127.0f / amax : 0.0f;
         d[b] = db;
-        for (int i = 0; i < QBLOCK; i++) {
+        for (int i = 0; i < qb; i++) {
             float v = nearbyintf(xb[i] * id);
             v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-            q[b * QBLOCK + i] = (int8_t)v;
+            q[b * qb + i] = (int8_t)v;
         }
-        for (int h = 0; h < 2; h++) {
-            int32_t s = 0;
-            for (int i = 0; i < 16; i++) s += q[b * QBLOCK + h * 16 + i];
-            s16[b * 2 + h] = s;
-        }
+    }
+    for (int64_t h = 0; h < K / 16; h++) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; i++) s += q[h * 16 + i];
+        s16[h] = s;
     }
     if (xs)
         for (int64_t g = 0; g < K / group; g++) {
             int32_t s = group == 16 ? s16[g] : s16[2 * g] + s16[2 * g + 1];
-            xs[g] = (float)s * d[g * group / QBLOCK];
+            xs[g] = (float)s * d[g * group / qb];
         }
 }
+
+/* Inputs per activation scale of a matrix: QBLOCK, or a K-quant's super-block of 256 (its sums
+ * are then exact integers across the super-block, as llama.cpp's Q8_K activations make them) */
+SD_INLINE int act_block(const sd_mat *m) { return m->kblock ? 256 : QBLOCK; }
 
 static void quantize_rows(const float *x, int64_t M, const sd_mat *m, const sd_qrows *qr) {
     int64_t K = m->k;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++)
-        quantize_row(x + r * K, K, m->group, qr->q + r * K, qr->d + r * (K / QBLOCK),
+        quantize_row(x + r * K, K, m->group, act_block(m), qr->q + r * K, qr->d + r * (K / QBLOCK),
                      qr->s16 + r * (K / 16), qr->xs ? qr->xs + r * (K / m->group) : NULL);
 #ifdef SD_BROKEN_ROW_COUPLED
     /* A deliberately broken variant for the tests (never built otherwise): one activation
      * scale per block shared by every row of the call, as a per-tensor dynamic quantizer does:
      * a row's codes then depend on the rows beside it. */
 #pragma omp single
-    for (int64_t b = 0; b < K / QBLOCK; b++) {
+    for (int64_t b = 0; b < K / act_block(m); b++) {
+        const int qb = act_block(m);
         float dmax = 0.0f;
         for (int64_t r = 0; r < M; r++) dmax = qr->d[r * (K / QBLOCK) + b] > dmax ? qr->d[r * (K / QBLOCK) + b] : dmax;
         for (int64_t r = 0; r < M; r++) {
             float dr = qr->d[r * (K / QBLOCK) + b];
-            for (int i = 0; i < QBLOCK; i++) {
-                int8_t *q = qr->q + r * K + b * QBLOCK + i;
+            for (int i = 0; i < qb; i++) {
+                int8_t *q = qr->q + r * K + b * qb + i;
                 *q = dmax > 0.0f ? (int8_t)nearbyintf((float)*q * dr / dmax) : 0;
             }
             qr->d[r * (K / QBLOCK) + b] = dmax;
@@ -317,12 +324,18 @@ SD_INLINE yv16 i_fold(i16v acc, int32_t corr, float dx, yv16 scale, yv16 zero, i
     if (has_zero) y = _mm512_fmadd_ps(_mm512_set1_ps(xs), zero, y);
     return y;
 }
-/* d * sc for 16 columns (exact: an fp16-exact d times a small integer) */
-SD_INLINE yv16 k_scale(const float *d, const int8_t *sc) {
-    __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)));
-    return _mm512_mul_ps(_mm512_loadu_ps(d), c);
+/* K-quant super-blocks (qpanel_rows_k): int32 arithmetic, then one fold */
+SD_INLINE i16v i_set1(int32_t v) { return _mm512_set1_epi32(v); }
+SD_INLINE i16v i_sub(i16v a, i16v b) { return _mm512_sub_epi32(a, b); }
+SD_INLINE i16v i_muladd(i16v acc, i16v a, i16v b) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(a, b)); }
+SD_INLINE i16v i_add(i16v a, i16v b) { return _mm512_add_epi32(a, b); }
+SD_INLINE i16v k_isc(const int8_t *sc) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)); }
+SD_INLINE yv16 i_kfold(i16v sum, i16v msum, float dx, yv16 d, yv16 dmin, int has_zero, yv16 y) {
+    __m512 x = _mm512_set1_ps(dx);
+    y = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), x), d, y);
+    if (has_zero) y = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum), x), dmin, y);
+    return y;
 }
-SD_INLINE yv16 y_neg(yv16 v) { return _mm512_xor_ps(v, _mm512_set1_ps(-0.0f)); }
 #elif SD_ISA == 2
 typedef v16 yv16;
 SD_INLINE yv16 y_zero(void) { return v_zero(); }
@@ -416,16 +429,47 @@ SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, v16 scale, v16 zero, int 
     }
     return y;
 }
-SD_INLINE v16 k_scale(const float *d, const int8_t *sc) {
-    __m128i b = _mm_loadu_si128((const __m128i *)sc);
-    v16 r = {_mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))),
-             _mm256_mul_ps(_mm256_loadu_ps(d + 8),
-                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))))};
+SD_INLINE i16v i_set1(int32_t v) { i16v r = {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; return r; }
+SD_INLINE i16v i_sub(i16v a, i16v b) {
+    i16v r = {_mm256_sub_epi32(a.a, b.a), _mm256_sub_epi32(a.b, b.b)};
     return r;
 }
-SD_INLINE v16 y_neg(v16 v) {
-    v16 r = {_mm256_xor_ps(v.a, _mm256_set1_ps(-0.0f)), _mm256_xor_ps(v.b, _mm256_set1_ps(-0.0f))};
+SD_INLINE i16v i_muladd(i16v acc, i16v a, i16v b) {
+    i16v r = {_mm256_add_epi32(acc.a, _mm256_mullo_epi32(a.a, b.a)),
+              _mm256_add_epi32(acc.b, _mm256_mullo_epi32(a.b, b.b))};
     return r;
+}
+SD_INLINE i16v i_add(i16v a, i16v b) {
+    i16v r = {_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)};
+    return r;
+}
+/* A K-quant sub-scale as the int16 stage widens with it: sc[c] in both int16 lanes of column
+ * c, so one vpmaddwd gives sc[c] x (the column's pair sums) in int32 */
+typedef struct { __m256i a, b; } kscv;
+#define SD_INT16_STAGE 1
+SD_INLINE kscv k_scv(const int8_t *sc) {
+    __m128i b = _mm_loadu_si128((const __m128i *)sc);
+    kscv r = {_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b, b)), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(b, b))};
+    return r;
+}
+SD_INLINE i16v p_widen_sc(p16v acc, kscv s) {
+    i16v r = {_mm256_madd_epi16(acc.a, s.a), _mm256_madd_epi16(acc.b, s.b)};
+    return r;
+}
+SD_INLINE i16v k_isc(const int8_t *sc) {
+    __m128i b = _mm_loadu_si128((const __m128i *)sc);
+    i16v r = {_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))};
+    return r;
+}
+SD_INLINE v16 i_kfold(i16v sum, i16v msum, float dx, v16 d, v16 dmin, int has_zero, v16 y) {
+    __m256 x = _mm256_set1_ps(dx);
+    y.a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum.a), x), d.a, y.a);
+    y.b = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum.b), x), d.b, y.b);
+    if (has_zero) {
+        y.a = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum.a), x), dmin.a, y.a);
+        y.b = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum.b), x), dmin.b, y.b);
+    }
+    return y;
 }
 #else
 typedef v16 yv16;
@@ -462,12 +506,21 @@ SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, v16 scale, v16 zero, int 
     }
     return y;
 }
-SD_INLINE v16 k_scale(const float *d, const int8_t *sc) {
-    v16 r;
-    for (int c = 0; c < PANEL; c++) r.f[c] = d[c] * (float)sc[c];
-    return r;
+SD_INLINE i16v i_set1(int32_t v) { i16v r; for (int c = 0; c < PANEL; c++) r.v[c] = v; return r; }
+SD_INLINE i16v i_sub(i16v a, i16v b) { for (int c = 0; c < PANEL; c++) a.v[c] -= b.v[c]; return a; }
+SD_INLINE i16v i_muladd(i16v acc, i16v a, i16v b) {
+    for (int c = 0; c < PANEL; c++) acc.v[c] += a.v[c] * b.v[c];
+    return acc;
 }
-SD_INLINE v16 y_neg(v16 v) { for (int c = 0; c < PANEL; c++) v.f[c] = -v.f[c]; return v; }
+SD_INLINE i16v i_add(i16v a, i16v b) { for (int c = 0; c < PANEL; c++) a.v[c] += b.v[c]; return a; }
+SD_INLINE i16v k_isc(const int8_t *sc) { i16v r; for (int c = 0; c < PANEL; c++) r.v[c] = sc[c]; return r; }
+SD_INLINE v16 i_kfold(i16v sum, i16v msum, float dx, v16 d, v16 dmin, int has_zero, v16 y) {
+    for (int c = 0; c < PANEL; c++) {
+        y.f[c] = fmaf((float)sum.v[c] * dx, d.f[c], y.f[c]);
+        if (has_zero) y.f[c] = fmaf(-((float)msum.v[c] * dx), dmin.f[c], y.f[c]);
+    }
+    return y;
+}
 #endif
 
 #if SD_ISA != 2
@@ -483,6 +536,10 @@ SD_INLINE i16v p_widen(p16v acc) { return acc; }
 SD_INLINE i16v i_octet(i16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
     return p_octet(acc, lo, hi, xa, xb);
 }
+#define SD_INT16_STAGE 0
+typedef i16v kscv;
+SD_INLINE kscv k_scv(const int8_t *sc) { return k_isc(sc); }
+SD_INLINE i16v p_widen_sc(p16v acc, kscv s) { return i_muladd(i_zero(), acc, s); }
 #endif
 
 /* The correction that turns a group's raw dot products into sum (code - offset) * q, and
@@ -496,28 +553,78 @@ SD_INLINE int32_t group_correction(const sd_mat *m, int kind, const int32_t *s16
     return m->offset * s;
 }
 
-/* Group g's 16 scales and zeros of panel p: straight from the fp32 tables, or computed from
- * the K-quant form (d * sc, -(dmin * m): exact in fp32, so the same values). */
+/* Group g's 16 scales and zeros of panel p, from the fp32 tables (K-quant tables have a path of
+ * their own, qpanel_rows_k). */
 SD_INLINE void group_scales(const sd_mat *m, int64_t p, int64_t g, yv16 *scale, yv16 *zero) {
-    const int lg = group_shift(m->group);
-    int64_t NG = m->k >> lg;
-    if (!m->kblock) {
-        *scale = y_load(m->scale + (p * NG + g) * PANEL);
-        *zero = m->zero ? y_load(m->zero + (p * NG + g) * PANEL) : y_zero();
-        return;
-    }
-    int64_t per = (int64_t)256 >> lg, sb = g >> (8 - lg), gi = g & (per - 1);
-    int64_t bytes = (m->zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
-    const uint8_t *base = (const uint8_t *)m->scale + (p * (m->k / 256) + sb) * bytes;
-    const float *d = (const float *)base;
-    const int8_t *sc = (const int8_t *)(base + (m->zero ? 2 : 1) * PANEL * 4) + gi * PANEL;
-    *scale = k_scale(d, sc);
-    /* -(dmin * m): the sub-minimums follow the sub-scales */
-    *zero = m->zero ? y_neg(k_scale(d + PANEL, sc + per * PANEL)) : y_zero();
+    int64_t NG = m->k >> group_shift(m->group);
+    *scale = y_load(m->scale + (p * NG + g) * PANEL);
+    *zero = m->zero ? y_load(m->zero + (p * NG + g) * PANEL) : y_zero();
 }
 
-/* R rows against NP panels of an a8 kind; out[j][r] receives panel p + j's row r (its sums
- * wait there between groups: the registers hold the integer sums of one group). */
+/* The exact int32 sums of R rows against NP panels over group g of an a8 kind. */
+SD_INLINE void qgroup_sums(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
+                           int NP, int R, int64_t g, int signed_w, i16v acc[][QNP_MAX]) {
+    int64_t K = m->k, G = m->group;
+    const uint8_t *w = (const uint8_t *)m->w;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NP; j++) acc[r][j] = i_zero();
+    if (kind == KIND_Q8) {
+        for (int64_t i = g * G / 4; i < (g + 1) * G / 4; i++) {
+            for (int j = 0; j < NP; j++) {
+                __typeof__(q_load(w)) wq = q_load(w + ((p + j) * (K / 4) + i) * 64);
+                for (int r = 0; r < R; r++) {
+                    int32_t x4;
+                    memcpy(&x4, qr->q + (r0 + r) * K + 4 * i, 4);
+                    acc[r][j] = i_dot4(acc[r][j], wq, x4, signed_w);
+                }
+            }
+        }
+        return;
+    }
+    /* 4-bit codes keep a whole group's sums in int16 where the paths have such a stage: at
+     * most 2 x 15 x 127 per octet and quad pair, 8 quads (32 inputs, the largest group) 30480.
+     * Q5's and Q6's codes would overflow it; they widen every octet (i_octet). */
+#ifdef SD_BROKEN_INT16
+    /* A deliberately broken variant for the tests (never built otherwise): every nibble kind
+     * in int16 across its group, which wraps on Q5's and Q6's largest sums. */
+    const int narrow = 1;
+#else
+    const int narrow = kind == KIND_Q4;
+#endif
+    p16v pacc[QROWS_MAX][QNP_MAX];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NP; j++) pacc[r][j] = p_zero();
+    for (int64_t i = g * G / 8; i < (g + 1) * G / 8; i++) {
+        for (int j = 0; j < NP; j++) {
+            __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + i) * 64);
+            __typeof__(q_load(w)) lo = q_lo(b), hi = q_hi(b);
+            if (kind == KIND_Q5 || kind == KIND_Q6) { /* one or two bit planes */
+                const int planes = kind == KIND_Q6 ? 2 : 1;
+                const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 16 * planes;
+                lo = q_high(lo, h, 16);
+                hi = q_high(hi, h + 8, 16);
+                if (planes == 2) {
+                    lo = q_high(lo, h + 16, 32);
+                    hi = q_high(hi, h + 24, 32);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t x4a, x4b;
+                memcpy(&x4a, qr->q + (r0 + r) * K + 8 * i, 4);
+                memcpy(&x4b, qr->q + (r0 + r) * K + 8 * i + 4, 4);
+                if (narrow) pacc[r][j] = p_octet(pacc[r][j], lo, hi, x4a, x4b);
+                else acc[r][j] = i_octet(acc[r][j], lo, hi, x4a, x4b);
+            }
+        }
+    }
+    if (narrow)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NP; j++) acc[r][j] = p_widen(pacc[r][j]);
+}
+
+/* R rows against NP panels of an a8 kind whose scales are one per group; out[j][r] receives
+ * panel p + j's row r (its sums wait there between groups: the registers hold the integer sums
+ * of one group). */
 SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
                            int NP, int R, float out[][CHUNK][PANEL]) {
     int64_t K = m->k, G = m->group, NG = K >> group_shift(G), orow = r0 % CHUNK;
@@ -528,75 +635,23 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
 #endif
     /* a small block keeps its fp32 sums in registers too; a large one in the output buffer */
     const int yreg = R * NP <= YREG_MAX;
+    const int has_zero = m->zero != NULL;
     yv16 y[QROWS_MAX][QNP_MAX];
     for (int j = 0; j < NP; j++)
         for (int r = 0; r < R; r++) {
             if (yreg) y[r][j] = y_zero();
             else memset(out[j][orow + r], 0, sizeof(float) * PANEL);
         }
-    const uint8_t *w = (const uint8_t *)m->w;
 #ifdef SD_BROKEN_WIDTH
+    /* a deliberately broken variant for the tests: blocks of several rows fold their groups in
+     * reverse order */
     for (int64_t g = R > 1 ? NG - 1 : 0; R > 1 ? g >= 0 : g < NG; g += R > 1 ? -1 : 1) {
 #else
     for (int64_t g = 0; g < NG; g++) {
 #endif
         i16v acc[QROWS_MAX][QNP_MAX];
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < NP; j++) acc[r][j] = i_zero();
-        if (kind == KIND_Q8) {
-            for (int64_t i = g * G / 4; i < (g + 1) * G / 4; i++) {
-                for (int j = 0; j < NP; j++) {
-                    __typeof__(q_load(w)) wq = q_load(w + ((p + j) * (K / 4) + i) * 64);
-                    for (int r = 0; r < R; r++) {
-                        int32_t x4;
-                        memcpy(&x4, qr->q + (r0 + r) * K + 4 * i, 4);
-                        acc[r][j] = i_dot4(acc[r][j], wq, x4, signed_w);
-                    }
-                }
-            }
-        } else {
-            /* 4-bit codes keep a whole group's sums in int16 where the paths have such a stage:
-             * at most 2 x 15 x 127 per octet and quad pair, 8 quads (32 inputs) 30480. Q5's and
-             * Q6's codes would overflow it; they widen every octet (i_octet). */
-#ifdef SD_BROKEN_INT16
-            /* A deliberately broken variant for the tests (never built otherwise): every
-             * nibble kind in int16 across its group, which wraps on Q5's and Q6's largest sums. */
-            const int narrow = 1;
-#else
-            const int narrow = kind == KIND_Q4 && G <= 32;
-#endif
-            p16v pacc[QROWS_MAX][QNP_MAX];
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < NP; j++) pacc[r][j] = p_zero();
-            for (int64_t i = g * G / 8; i < (g + 1) * G / 8; i++) {
-                for (int j = 0; j < NP; j++) {
-                    __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + i) * 64);
-                    __typeof__(q_load(w)) lo = q_lo(b), hi = q_hi(b);
-                    if (kind == KIND_Q5 || kind == KIND_Q6) { /* one or two bit planes */
-                        const int planes = kind == KIND_Q6 ? 2 : 1;
-                        const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 16 * planes;
-                        lo = q_high(lo, h, 16);
-                        hi = q_high(hi, h + 8, 16);
-                        if (planes == 2) {
-                            lo = q_high(lo, h + 16, 32);
-                            hi = q_high(hi, h + 24, 32);
-                        }
-                    }
-                    for (int r = 0; r < R; r++) {
-                        int32_t x4a, x4b;
-                        memcpy(&x4a, qr->q + (r0 + r) * K + 8 * i, 4);
-                        memcpy(&x4b, qr->q + (r0 + r) * K + 8 * i + 4, 4);
-                        if (narrow) pacc[r][j] = p_octet(pacc[r][j], lo, hi, x4a, x4b);
-                        else acc[r][j] = i_octet(acc[r][j], lo, hi, x4a, x4b);
-                    }
-                }
-            }
-            if (narrow)
-                for (int r = 0; r < R; r++)
-                    for (int j = 0; j < NP; j++) acc[r][j] = p_widen(pacc[r][j]);
-        }
+        qgroup_sums(qr, r0, m, kind, p, NP, R, g, signed_w, acc);
         yv16 gs[QNP_MAX], gz[QNP_MAX];
-        int has_zero = m->zero != NULL;
         for (int j = 0; j < NP; j++) group_scales(m, p + j, g, gs + j, gz + j);
         for (int r = 0; r < R; r++) {
             int64_t row = r0 + r;
@@ -616,7 +671,130 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
             for (int r = 0; r < R; r++) y_store(out[j][orow + r], y[r][j]);
 }
 
-#define QROWS(NP, R) qpanel_rows(qr, r0, m, kind, p, NP, R, out)
+/* Adds group g's exact sums, each column's times its sub-scale sc[j], into sum[r][j] (the
+ * codes' offset is not applied: qpanel_rows_k subtracts it once a super-block). Where the build
+ * has an int16 stage, 4-bit codes keep the whole group in int16 and the wider codes (at most
+ * 6 bits: pack_q8 refuses wider codes with K-quant scales) one octet, and the widening
+ * vpmaddwd multiplies by the sub-scale; elsewhere the int32 group sum is multiplied once. */
+SD_INLINE void qgroup_ksum(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
+                           int NP, int R, int64_t g, const kscv *sc, i16v sum[][QNP_MAX]) {
+    int64_t K = m->k, G = m->group;
+    const uint8_t *w = (const uint8_t *)m->w;
+#ifdef SD_BROKEN_INT16
+    const int per_octet = 0;
+#else
+    const int per_octet = SD_INT16_STAGE && kind != KIND_Q4;
+#endif
+    p16v pacc[QROWS_MAX][QNP_MAX];
+    if (!per_octet)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NP; j++) pacc[r][j] = p_zero();
+    for (int64_t o = g * G / 8; o < (g + 1) * G / 8; o++) {
+        for (int j = 0; j < NP; j++) {
+            __typeof__(q_load(w)) lo, hi;
+            if (kind == KIND_Q8) { /* quads 2o and 2o + 1 */
+                lo = q_load(w + ((p + j) * (K / 4) + 2 * o) * 64);
+                hi = q_load(w + ((p + j) * (K / 4) + 2 * o + 1) * 64);
+            } else {
+                __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + o) * 64);
+                lo = q_lo(b);
+                hi = q_hi(b);
+                if (kind == KIND_Q5 || kind == KIND_Q6) {
+                    const int planes = kind == KIND_Q6 ? 2 : 1;
+                    const uint8_t *h = m->hbits + ((p + j) * (K / 8) + o) * 16 * planes;
+                    lo = q_high(lo, h, 16);
+                    hi = q_high(hi, h + 8, 16);
+                    if (planes == 2) {
+                        lo = q_high(lo, h + 16, 32);
+                        hi = q_high(hi, h + 24, 32);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t x4a, x4b;
+                memcpy(&x4a, qr->q + (r0 + r) * K + 8 * o, 4);
+                memcpy(&x4b, qr->q + (r0 + r) * K + 8 * o + 4, 4);
+                if (per_octet)
+                    sum[r][j] = i_add(sum[r][j], p_widen_sc(p_octet(p_zero(), lo, hi, x4a, x4b), sc[j]));
+                else pacc[r][j] = p_octet(pacc[r][j], lo, hi, x4a, x4b);
+            }
+        }
+    }
+    if (!per_octet)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NP; j++) sum[r][j] = i_add(sum[r][j], p_widen_sc(pacc[r][j], sc[j]));
+}
+
+/* R rows against NP panels of an a8 kind with K-quant scales (kblock 256): per super-block of
+ * 256 inputs, each group's exact sum times its int8 sub-scale is added in int32 (at most 2^27
+ * in magnitude for every kind held), the sub-minimums times the groups' sums of codes likewise,
+ * then one fold per super-block: y += ((float)sum * dx) * d, then y -= ((float)msum * dx) * dmin,
+ * each one fused multiply-add. One activation scale dx per super-block (act_block), so a
+ * super-block has one fold where per-group scales had 8 or 16 (they took 40 % of a 4-row pass
+ * on AVX2). */
+SD_INLINE void qpanel_rows_k(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
+                             int NP, int R, float out[][CHUNK][PANEL]) {
+    int64_t K = m->k, G = m->group, NS = K / 256, orow = r0 % CHUNK;
+    const int per = 256 >> group_shift(G);
+    const int yreg = R * NP <= YREG_MAX;
+    const int has_zero = m->zero != NULL;
+    const int64_t bytes = (has_zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
+    yv16 y[QROWS_MAX][QNP_MAX];
+    for (int j = 0; j < NP; j++)
+        for (int r = 0; r < R; r++) {
+            if (yreg) y[r][j] = y_zero();
+            else memset(out[j][orow + r], 0, sizeof(float) * PANEL);
+        }
+#ifdef SD_BROKEN_WIDTH
+    for (int64_t sb = R > 1 ? NS - 1 : 0; R > 1 ? sb >= 0 : sb < NS; sb += R > 1 ? -1 : 1) {
+#else
+    for (int64_t sb = 0; sb < NS; sb++) {
+#endif
+        const uint8_t *base[QNP_MAX];
+        for (int j = 0; j < NP; j++) base[j] = (const uint8_t *)m->scale + ((p + j) * NS + sb) * bytes;
+        const int64_t sc_at = (has_zero ? 2 : 1) * PANEL * 4, mn_at = sc_at + per * PANEL;
+        i16v sum[QROWS_MAX][QNP_MAX];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NP; j++) sum[r][j] = i_zero();
+        for (int t = 0; t < per; t++) {
+            kscv sc[QNP_MAX];
+            for (int j = 0; j < NP; j++) sc[j] = k_scv((const int8_t *)(base[j] + sc_at) + t * PANEL);
+            qgroup_ksum(qr, r0, m, kind, p, NP, R, sb * per + t, sc, sum);
+        }
+        for (int r = 0; r < R; r++) {
+            int64_t row = r0 + r;
+            const int32_t *s16 = qr->s16 + row * (K / 16);
+            float dx = qr->d[row * (K / QBLOCK) + sb];
+            for (int j = 0; j < NP; j++) {
+                const float *d = (const float *)base[j];
+                /* the offset's share, sum over groups of sc x offset x (the group's sum of
+                 * codes), and the minimums' */
+                i16v msum = i_zero(), osum = i_zero();
+                for (int t = 0; t < per && (has_zero || m->offset); t++) {
+                    int64_t g = sb * per + t;
+                    int32_t gsum = G == 16 ? s16[g] : s16[2 * g] + s16[2 * g + 1];
+                    if (m->offset)
+                        osum = i_muladd(osum, k_isc((const int8_t *)(base[j] + sc_at) + t * PANEL),
+                                        i_set1(m->offset * gsum));
+                    if (has_zero)
+                        msum = i_muladd(msum, k_isc((const int8_t *)(base[j] + mn_at) + t * PANEL),
+                                        i_set1(gsum));
+                }
+                i16v net = m->offset ? i_sub(sum[r][j], osum) : sum[r][j];
+                yv16 dv = y_load(d), dmin = has_zero ? y_load(d + PANEL) : y_zero();
+                float *yp = out[j][orow + r];
+                if (yreg) y[r][j] = i_kfold(net, msum, dx, dv, dmin, has_zero, y[r][j]);
+                else y_store(yp, i_kfold(net, msum, dx, dv, dmin, has_zero, y_load(yp)));
+            }
+        }
+    }
+    if (yreg)
+        for (int j = 0; j < NP; j++)
+            for (int r = 0; r < R; r++) y_store(out[j][orow + r], y[r][j]);
+}
+
+#define QROWS(NP, R) \
+    (m->kblock ? qpanel_rows_k(qr, r0, m, kind, p, NP, R, out) : qpanel_rows(qr, r0, m, kind, p, NP, R, out))
 
 /* Panels p..p+np-1 for rows m0..m0+M-1 (M <= CHUNK) of an a8 kind, in register blocks: one
  * row against up to QNP_MAX panels, or blocks of up to QROWS_MAX rows against np panels. */
@@ -712,7 +890,7 @@ static void matmul_in_region(const float *x, int64_t M, const sd_mat *m, float *
     const float *xs = NULL;
     sd_qrows qr = sc->qr;
     if (quant) {
-        if (!m->zero) qr.xs = NULL;
+        if (!m->zero || m->kblock) qr.xs = NULL;
         quantize_rows(x, M, m, &qr); /* ends with a barrier */
     } else if (m->round_x || (m->zero && GROUPED(m->kind))) {
         prepare_rows(x, M, m, sc->xr, sc->xs); /* ends with a barrier */

@@ -603,6 +603,9 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
         raise ValueError(f"a8 panels need inputs divisible by {QBLOCK}, got {k}")
     if codes.min() < 0 or codes.max() > 255:
         raise ValueError("a8 byte codes must lie in 0..255")
+    if kscales is not None and codes.max() > 63:
+        # kernels.c keeps an octet's sums in int16 beside K-quant scales (6-bit codes at most)
+        raise ValueError("a8 byte codes with K-quant scales must lie in 0..63")
     return _with_kscales(Panels(KIND_Q8, _quads(codes), n, k, scale=_group_table(scales),
                                 zero=_group_table(zeros), bias=_bias(bias), group=group,
                                 offset=offset), kscales)

@@ -314,7 +314,8 @@ PRECISIONS: tuple[Precision, ...] = (
         reference_weights=True, gguf_mode="fp"),
     Precision(
         "checkpoint-a8", "the checkpoint's weights bit for bit as in checkpoint; each row's "
-                         "activations rounded to int8 per block of 32 inputs before exact "
+                         "activations rounded to int8 per block of 32 inputs (256 for K-quant "
+                         "matrices) before exact "
                          "integer dot products (VNNI where the CPU has it): llama.cpp's CPU "
                          "arithmetic, and the cheapest width",
         (GGUF_BLOCKS, Q4_1, I8_GROUP, F32), (ROW_INVARIANT,),
