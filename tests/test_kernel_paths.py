@@ -341,10 +341,23 @@ def _largest_sums() -> dict[str, Panels]:
     a whole group, Q5's and Q6's per octet)."""
     s32, s16 = torch.full((N, K // 32), 0.01), torch.full((N, K // 16), 0.01)
     full = torch.full((N, K), 1)
+    # K-quant scales at their extremes: a super-block's int32 sum is then at its largest
+    S, d = K // 256, torch.full((N, K // 256), 2.0 ** -7)
+    q4k = kernels.KScales(d, d, torch.full((N, S, 8), 63, dtype=torch.int8),
+                          torch.full((N, S, 8), 63, dtype=torch.int8))
+    q6k = kernels.KScales(d, None, torch.full((N, S, 16), -128, dtype=torch.int8), None)
+    s4, z4 = q4k.per_group()
+    s6, _ = q6k.per_group()
     return {"q4": kernels.pack_q4(full * 15, s32, None, offset=8),
             "q4-g16": kernels.pack_q4(full * 15, s16, None, offset=8, group=16),
             "q5": kernels.pack_q5(full * 31, s32, None, offset=16),
-            "q6-g16": kernels.pack_q6(full * 63, s16, None, offset=32, group=16)}
+            "q6-g16": kernels.pack_q6(full * 63, s16, None, offset=32, group=16),
+            "q4-kscales": kernels.pack_q4(full * 15, s4, z4, kscales=q4k),
+            "q5-kscales": kernels.pack_q5(full * 31, s4, z4, kscales=q4k),
+            "q6-kscales-g16": kernels.pack_q6(full * 63, s6, None, offset=32, group=16,
+                                              kscales=q6k),
+            "q8-kscales-g16": kernels.pack_q8(full * 63, s6, None, offset=32, group=16,
+                                              kscales=q6k)}
 
 
 X_EXTREME = torch.cat([torch.ones(3, K), -torch.ones(3, K), X[:3]])
@@ -357,6 +370,8 @@ def test_the_largest_integer_sums_are_exact_on_every_path(name: str,
     for case, panels in _largest_sums().items():
         ref = _matmul(scalar, X_EXTREME, panels)
         assert torch.equal(ref[0], -ref[3]) and float(ref[0].abs().min()) > 0, case
+        want = _a8_reference(X_EXTREME, panels)  # a wrapped sum would be far from it
+        assert float((ref.double() - want).abs().max()) < 2e-5 * float(want.abs().max()), case
         for rows in (1, 4, 9):
             assert torch.equal(_matmul(lib, X_EXTREME[:rows], panels), ref[:rows]), (case, rows)
 
@@ -366,8 +381,19 @@ def test_int16_sums_wider_than_their_bound_are_caught(scalar: ctypes.CDLL) -> No
     the largest sums then wrap, and the comparison above would see it (Q4's stay exact)."""
     broken, scalar_lib = _lib("avx2", ("-DSD_BROKEN_INT16",)), scalar
     cases = _largest_sums()
-    for case in ("q5", "q6-g16"):
+    for case in ("q5", "q6-g16", "q8-kscales-g16"):
         assert not torch.equal(_matmul(broken, X_EXTREME, cases[case]),
                                _matmul(scalar_lib, X_EXTREME, cases[case])), case
     assert torch.equal(_matmul(broken, X_EXTREME, cases["q4"]),
                        _matmul(scalar_lib, X_EXTREME, cases["q4"]))
+
+
+def test_k_quant_byte_codes_wider_than_six_bits_are_refused() -> None:
+    """kernels.c keeps an octet of byte codes beside K-quant scales in int16, which holds
+    6-bit codes only: pack_q8 refuses wider ones with one clear error."""
+    codes = torch.full((N, K), 64)
+    S = K // 256
+    k = kernels.KScales(torch.ones(N, S), None, torch.ones(N, S, 16, dtype=torch.int8), None)
+    scale, _ = k.per_group()
+    with pytest.raises(ValueError, match=r"0\.\.63"):
+        kernels.pack_q8(codes, scale, None, offset=32, group=16, kscales=k)

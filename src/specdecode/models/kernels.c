@@ -726,10 +726,11 @@ SD_INLINE void qgroup_ksum(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
 }
 
 /* R rows against NP panels of an a8 kind with K-quant scales (kblock 256): per super-block of
- * 256 inputs, each group's exact sum times its int8 sub-scale is added in int32 (at most 2^27
- * in magnitude for every kind held), the sub-minimums times the groups' sums of codes likewise,
- * then one fold per super-block: y += ((float)sum * dx) * d, then y -= ((float)msum * dx) * dmin,
- * each one fused multiply-add. One activation scale dx per super-block (act_block), so a
+ * 256 inputs, each group's exact sum times its int8 sub-scale is added in int32 (below 2^28
+ * in magnitude for every kind held: 6-bit codes, 16 groups of 16), the codes' offset times the
+ * sub-scales and the groups' sums of activation codes is taken off, the sub-minimums times the
+ * same sums make msum, then one fold per super-block: y += ((float)sum * dx) * d, then
+ * y -= ((float)msum * dx) * dmin, each one fused multiply-add. One activation scale dx per super-block (act_block), so a
  * super-block has one fold where per-group scales had 8 or 16 (they took 40 % of a 4-row pass
  * on AVX2). */
 SD_INLINE void qpanel_rows_k(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
