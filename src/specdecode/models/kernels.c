@@ -561,6 +561,39 @@ SD_INLINE void group_scales(const sd_mat *m, int64_t p, int64_t g, yv16 *scale, 
     *zero = m->zero ? y_load(m->zero + (p * NG + g) * PANEL) : y_zero();
 }
 
+/* Octet o of panel p of an a8 kind as two quads of codes, input 8o + j in lo and 8o + 4 + j in
+ * hi: bytes (Q8) are quads 2o and 2o + 1; the nibble kinds' low and high nibbles, with Q5's and
+ * Q6's bit planes added. */
+SD_INLINE void octet_codes(const sd_mat *m, int kind, int64_t p, int64_t o, q64 *lo, q64 *hi) {
+    const uint8_t *w = (const uint8_t *)m->w;
+    int64_t K = m->k;
+    if (kind == KIND_Q8) {
+        *lo = q_load(w + (p * (K / 4) + 2 * o) * 64);
+        *hi = q_load(w + (p * (K / 4) + 2 * o + 1) * 64);
+        return;
+    }
+    q64 b = q_load(w + (p * (K / 8) + o) * 64);
+    *lo = q_lo(b);
+    *hi = q_hi(b);
+    if (kind == KIND_Q5 || kind == KIND_Q6) { /* one or two bit planes */
+        const int planes = kind == KIND_Q6 ? 2 : 1;
+        const uint8_t *h = m->hbits + (p * (K / 8) + o) * 16 * planes;
+        *lo = q_high(*lo, h, 16);
+        *hi = q_high(*hi, h + 8, 16);
+        if (planes == 2) {
+            *lo = q_high(*lo, h + 16, 32);
+            *hi = q_high(*hi, h + 24, 32);
+        }
+    }
+}
+
+/* A row's activation codes for octet o: inputs 8o..8o+3 in xa, 8o+4..8o+7 in xb. */
+SD_INLINE void octet_x(const sd_qrows *qr, int64_t row, int64_t K, int64_t o, int32_t *xa,
+                       int32_t *xb) {
+    memcpy(xa, qr->q + row * K + 8 * o, 4);
+    memcpy(xb, qr->q + row * K + 8 * o + 4, 4);
+}
+
 /* The exact int32 sums of R rows against NP panels over group g of an a8 kind. */
 SD_INLINE void qgroup_sums(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
                            int NP, int R, int64_t g, int signed_w, i16v acc[][QNP_MAX]) {
@@ -596,22 +629,11 @@ SD_INLINE void qgroup_sums(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
         for (int j = 0; j < NP; j++) pacc[r][j] = p_zero();
     for (int64_t i = g * G / 8; i < (g + 1) * G / 8; i++) {
         for (int j = 0; j < NP; j++) {
-            __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + i) * 64);
-            __typeof__(q_load(w)) lo = q_lo(b), hi = q_hi(b);
-            if (kind == KIND_Q5 || kind == KIND_Q6) { /* one or two bit planes */
-                const int planes = kind == KIND_Q6 ? 2 : 1;
-                const uint8_t *h = m->hbits + ((p + j) * (K / 8) + i) * 16 * planes;
-                lo = q_high(lo, h, 16);
-                hi = q_high(hi, h + 8, 16);
-                if (planes == 2) {
-                    lo = q_high(lo, h + 16, 32);
-                    hi = q_high(hi, h + 24, 32);
-                }
-            }
+            q64 lo, hi;
+            octet_codes(m, kind, p + j, i, &lo, &hi);
             for (int r = 0; r < R; r++) {
                 int32_t x4a, x4b;
-                memcpy(&x4a, qr->q + (r0 + r) * K + 8 * i, 4);
-                memcpy(&x4b, qr->q + (r0 + r) * K + 8 * i + 4, 4);
+                octet_x(qr, r0 + r, K, i, &x4a, &x4b);
                 if (narrow) pacc[r][j] = p_octet(pacc[r][j], lo, hi, x4a, x4b);
                 else acc[r][j] = i_octet(acc[r][j], lo, hi, x4a, x4b);
             }
@@ -679,7 +701,6 @@ SD_INLINE void qpanel_rows(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
 SD_INLINE void qgroup_ksum(const sd_qrows *qr, int64_t r0, const sd_mat *m, int kind, int64_t p,
                            int NP, int R, int64_t g, const kscv *sc, i16v sum[][QNP_MAX]) {
     int64_t K = m->k, G = m->group;
-    const uint8_t *w = (const uint8_t *)m->w;
 #ifdef SD_BROKEN_INT16
     const int per_octet = 0;
 #else
@@ -691,29 +712,11 @@ SD_INLINE void qgroup_ksum(const sd_qrows *qr, int64_t r0, const sd_mat *m, int 
             for (int j = 0; j < NP; j++) pacc[r][j] = p_zero();
     for (int64_t o = g * G / 8; o < (g + 1) * G / 8; o++) {
         for (int j = 0; j < NP; j++) {
-            __typeof__(q_load(w)) lo, hi;
-            if (kind == KIND_Q8) { /* quads 2o and 2o + 1 */
-                lo = q_load(w + ((p + j) * (K / 4) + 2 * o) * 64);
-                hi = q_load(w + ((p + j) * (K / 4) + 2 * o + 1) * 64);
-            } else {
-                __typeof__(q_load(w)) b = q_load(w + ((p + j) * (K / 8) + o) * 64);
-                lo = q_lo(b);
-                hi = q_hi(b);
-                if (kind == KIND_Q5 || kind == KIND_Q6) {
-                    const int planes = kind == KIND_Q6 ? 2 : 1;
-                    const uint8_t *h = m->hbits + ((p + j) * (K / 8) + o) * 16 * planes;
-                    lo = q_high(lo, h, 16);
-                    hi = q_high(hi, h + 8, 16);
-                    if (planes == 2) {
-                        lo = q_high(lo, h + 16, 32);
-                        hi = q_high(hi, h + 24, 32);
-                    }
-                }
-            }
+            q64 lo, hi;
+            octet_codes(m, kind, p + j, o, &lo, &hi);
             for (int r = 0; r < R; r++) {
                 int32_t x4a, x4b;
-                memcpy(&x4a, qr->q + (r0 + r) * K + 8 * o, 4);
-                memcpy(&x4b, qr->q + (r0 + r) * K + 8 * o + 4, 4);
+                octet_x(qr, r0 + r, K, o, &x4a, &x4b);
                 if (per_octet)
                     sum[r][j] = i_add(sum[r][j], p_widen_sc(p_octet(p_zero(), lo, hi, x4a, x4b), sc[j]));
                 else pacc[r][j] = p_octet(pacc[r][j], lo, hi, x4a, x4b);
