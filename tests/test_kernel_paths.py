@@ -313,9 +313,9 @@ def test_kernels_c_and_kernels_py_agree_on_their_constants(
 
 
 def test_q6_panels_compute_the_byte_panels_bits_from_fewer_bytes() -> None:
-    """Q6_K's codes in 4-bit panels plus two bit planes (pack_q6) give the products of the same
+    """Q6_K's codes in 4-bit panels plus their high bits (pack_q6) give the products of the same
     codes as bytes (pack_q8) bit for bit, at every width, from 0.75 bytes a weight instead of
-    1; the broken variant (the two planes swapped) is caught."""
+    1; the broken variant (two vectors' high bits exchanged) is caught."""
     if not kernels.available():
         pytest.skip(f"kernels unavailable: {kernels.build_error()}")
     gen = torch.Generator().manual_seed(11)
@@ -330,9 +330,29 @@ def test_q6_panels_compute_the_byte_panels_bits_from_fewer_bytes() -> None:
     for rows in (1, 4, 5, 9):
         assert torch.equal(kernels.matmul(X[:rows], q6), kernels.matmul(X[:rows], q8)), rows
     assert q6.hbits is not None
-    planes = q6.hbits.view(q6.hbits.shape[0], K // 8, 2, 16)
-    swapped = dataclasses.replace(q6, hbits=planes.flip(2).reshape_as(q6.hbits).contiguous())
+    h = q6.hbits
+    swapped = dataclasses.replace(q6, hbits=(h & 0xC3) | ((h & 0x0C) << 2) | ((h & 0x30) >> 2))
     assert not torch.equal(kernels.matmul(X[:4], swapped), kernels.matmul(X[:4], q8))
+
+
+def test_q5_high_bits_round_trip_and_a_misplaced_bit_is_caught() -> None:
+    """pack_q5's fifth bits (16 bytes an octet, kernels.c's shift-friendly order) give back the
+    codes and the byte panels' products at every width; a layout with the two lanes' bits
+    exchanged is caught."""
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.build_error()}")
+    gen = torch.Generator().manual_seed(12)
+    codes = torch.randint(0, 32, (N, K), generator=gen)
+    s32 = torch.rand(N, K // 32, generator=gen) * 0.1
+    q5 = kernels.pack_q5(codes, s32, None, offset=16)
+    q8 = kernels.pack_q8(codes, s32, None, offset=16)
+    assert torch.equal(kernels.codes_of(q5), codes.to(torch.uint8))
+    for rows in (1, 2, 4, 5, 9):
+        assert torch.equal(kernels.matmul(X[:rows], q5), kernels.matmul(X[:rows], q8)), rows
+    assert q5.hbits is not None
+    h = q5.hbits
+    swapped = dataclasses.replace(q5, hbits=((h & 0x55) << 1) | ((h & 0xAA) >> 1))
+    assert not torch.equal(kernels.matmul(X[:1], swapped), kernels.matmul(X[:1], q8))
 
 
 def _largest_sums() -> dict[str, Panels]:

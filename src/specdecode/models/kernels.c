@@ -112,12 +112,17 @@ SD_INLINE int group_shift(int64_t group) { return group == 16 ? 4 : 5; }
  *     scale + (p*(K/256) + s)*kb bytes: 16 fp32 d, then (if `zero`) 16 fp32 dmin, then 256/G
  *     int8 sub-scales per column (group-major), then (if `zero`) 256/G int8 sub-minimums; the
  *     group's scale is d * sc and its zero -(dmin * m), the same fp32 values as the tables.
- * Q5 (a8): 5-bit codes as Q4's nibbles plus a plane of fifth bits, `hbits`: for octet i of panel
- *     p, 16 bytes at ((p*(K/8) + i)*16): bit (h*64 + c*4 + j) is the fifth bit of input
- *     8i + 4h + j of column c (GGUF's Q5_0 / Q5_1 / Q5_K, at 0.69 bytes a weight, not 1.1).
- * Q6 (a8): 6-bit codes as Q5's plus a second plane: 32 bytes per octet and panel, the fifth
- *     bits as Q5's, then the sixth bits in the same order (GGUF's Q6_K at 0.83 bytes a weight,
- *     not 1.08 as bytes; the integer sums, hence every bit of the output, are the bytes'). */
+ * Q5, Q6 (a8): 5- or 6-bit codes as Q4's nibbles plus their high bits in `hbits`, laid out so
+ *     that a few shifts and masks put them in place. An octet's 128 codes are four vectors of
+ *     32 bytes, V0 = low nibbles of bytes 0..31, V1 = of bytes 32..63, V2, V3 = the high
+ *     nibbles'; element e of V_t is input 8i + 4(t/2) + j of column c = 8(t%2) + e/4, j = e%4.
+ *     Q6: 32 bytes per octet and panel at ((p*(K/8) + i)*32): byte e holds bits 4-5 of V_t's
+ *     element e at bits 2t..2t+1 (GGUF's Q6_K at 0.83 bytes a weight, not 1.08 as bytes).
+ *     Q5: 16 bytes at ((p*(K/8) + i)*16): the fifth bit of V_t's element e is bit
+ *     Q5_BIT(t, e/16) of byte e%16, Q5_BIT = 4,5 / 6,7 / 0,1 / 2,3 for t = 0..3 (so one
+ *     variable shift a vector lands every bit on bit 4; GGUF's Q5_0 / Q5_1 / Q5_K at 0.69
+ *     bytes a weight, not 1.1). Either way the integer sums, hence every bit of the output,
+ *     are those of the same codes as bytes. */
 typedef struct {
     const void *w;
     const float *scale;
@@ -128,7 +133,7 @@ typedef struct {
     int32_t round_x; /* round the inputs to bf16 first (the "a16" precisions) */
     int32_t group;   /* inputs per scale of the grouped and a8 kinds: 16 or 32 */
     int32_t offset;  /* a8 kinds: the codes' offset */
-    const uint8_t *hbits; /* Q5: the fifth bits; else NULL */
+    const uint8_t *hbits; /* Q5, Q6: the high bits; else NULL */
     int64_t kblock;       /* a8 kinds: 256 where scales are held K-quant style, else 0 */
 } sd_mat;
 
@@ -308,12 +313,18 @@ SD_INLINE i16v i_dot4(i16v acc, __m512i w, int32_t x4, int signed_w) {
 }
 typedef __m512i q64; /* 64 codes, as the other builds name them */
 SD_INLINE __m512i q_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
-/* 64 codes plus v (16 or 32) where their bit in the 8 bytes at h is set (Q5's and Q6's high
- * bits) */
-SD_INLINE __m512i q_high(__m512i codes, const uint8_t *h, int v) {
-    uint64_t bits;
-    memcpy(&bits, h, 8);
-    return _mm512_mask_add_epi8(codes, (__mmask64)bits, codes, _mm512_set1_epi8((char)v));
+/* An octet's high bits (the layout in sd_mat's comment): lo = V0|V1, hi = V2|V3 */
+SD_INLINE void q_high5(__m512i *lo, __m512i *hi, const uint8_t *h) {
+    __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)h)), m = _mm512_set1_epi8(0x10);
+    __m512i rl = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i lh = _mm512_set_epi32(1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4);
+    *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_srlv_epi32(b, rl), m));
+    *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_sllv_epi32(b, lh), m));
+}
+SD_INLINE void q_high6(__m512i *lo, __m512i *hi, const uint8_t *h) {
+    __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)h)), m = _mm512_set1_epi8(0x30);
+    *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_sllv_epi64(b, _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4)), m));
+    *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_srlv_epi64(b, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0)), m));
 }
 SD_INLINE __m512i q_lo(__m512i b) { return _mm512_and_si512(b, _mm512_set1_epi8(0xf)); }
 SD_INLINE __m512i q_hi(__m512i b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0xf)); }
@@ -398,21 +409,21 @@ SD_INLINE q64 q_hi(q64 b) {
     q64 r = {_mm256_and_si256(_mm256_srli_epi16(b.a, 4), f), _mm256_and_si256(_mm256_srli_epi16(b.b, 4), f)};
     return r;
 }
-/* 32 bits -> 32 bytes, `add` where the bit is set: each byte picks its bit's byte, then its bit */
-SD_INLINE __m256i bits16(uint32_t bits, int add) {
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                    _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                     2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
-    return _mm256_and_si256(hit, _mm256_set1_epi8((char)add));
+/* An octet's high bits (the layout in sd_mat's comment): V0..V3 = lo.a, lo.b, hi.a, hi.b */
+SD_INLINE __m256i h5(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x10)); }
+SD_INLINE void q_high5(q64 *lo, q64 *hi, const uint8_t *h) {
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)h));
+    lo->a = _mm256_or_si256(lo->a, h5(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))));
+    lo->b = _mm256_or_si256(lo->b, h5(_mm256_srlv_epi32(b, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3))));
+    hi->a = _mm256_or_si256(hi->a, h5(_mm256_sllv_epi32(b, _mm256_setr_epi32(4, 4, 4, 4, 3, 3, 3, 3))));
+    hi->b = _mm256_or_si256(hi->b, h5(_mm256_sllv_epi32(b, _mm256_setr_epi32(2, 2, 2, 2, 1, 1, 1, 1))));
 }
-SD_INLINE q64 q_high(q64 codes, const uint8_t *h, int v) {
-    uint32_t lo, hi;
-    memcpy(&lo, h, 4);
-    memcpy(&hi, h + 4, 4);
-    q64 r = {_mm256_or_si256(codes.a, bits16(lo, v)), _mm256_or_si256(codes.b, bits16(hi, v))};
-    return r;
+SD_INLINE void q_high6(q64 *lo, q64 *hi, const uint8_t *h) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)h), m = _mm256_set1_epi8(0x30);
+    lo->a = _mm256_or_si256(lo->a, _mm256_and_si256(_mm256_slli_epi16(b, 4), m));
+    lo->b = _mm256_or_si256(lo->b, _mm256_and_si256(_mm256_slli_epi16(b, 2), m));
+    hi->a = _mm256_or_si256(hi->a, _mm256_and_si256(b, m));
+    hi->b = _mm256_or_si256(hi->b, _mm256_and_si256(_mm256_srli_epi16(b, 2), m));
 }
 SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, v16 scale, v16 zero, int has_zero,
                      float xs, v16 y) {
@@ -493,9 +504,21 @@ SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
 SD_INLINE q64 q_load(const uint8_t *p) { q64 r; memcpy(r.b, p, 64); return r; }
 SD_INLINE q64 q_lo(q64 b) { for (int i = 0; i < 64; i++) b.b[i] &= 0xf; return b; }
 SD_INLINE q64 q_hi(q64 b) { for (int i = 0; i < 64; i++) b.b[i] >>= 4; return b; }
-SD_INLINE q64 q_high(q64 codes, const uint8_t *h, int v) {
-    for (int i = 0; i < 64; i++) codes.b[i] |= (uint8_t)(((h[i / 8] >> (i % 8)) & 1) * v);
-    return codes;
+/* An octet's high bits (the layout in sd_mat's comment): byte i of lo / hi is element i % 32
+ * of V_t, t = i / 32 (+ 2 for hi) */
+SD_INLINE void q_high5(q64 *lo, q64 *hi, const uint8_t *h) {
+    static const int bit[4][2] = {{4, 5}, {6, 7}, {0, 1}, {2, 3}};
+    for (int i = 0; i < 64; i++) {
+        int e = i % 32;
+        lo->b[i] |= (uint8_t)(((h[e % 16] >> bit[i / 32][e / 16]) & 1) << 4);
+        hi->b[i] |= (uint8_t)(((h[e % 16] >> bit[2 + i / 32][e / 16]) & 1) << 4);
+    }
+}
+SD_INLINE void q_high6(q64 *lo, q64 *hi, const uint8_t *h) {
+    for (int i = 0; i < 64; i++) {
+        lo->b[i] |= (uint8_t)(((h[i % 32] >> (2 * (i / 32))) & 3) << 4);
+        hi->b[i] |= (uint8_t)(((h[i % 32] >> (2 * (2 + i / 32))) & 3) << 4);
+    }
 }
 SD_INLINE v16 i_fold(i16v acc, int32_t corr, float dx, v16 scale, v16 zero, int has_zero,
                      float xs, v16 y) {
@@ -563,7 +586,7 @@ SD_INLINE void group_scales(const sd_mat *m, int64_t p, int64_t g, yv16 *scale, 
 
 /* Octet o of panel p of an a8 kind as two quads of codes, input 8o + j in lo and 8o + 4 + j in
  * hi: bytes (Q8) are quads 2o and 2o + 1; the nibble kinds' low and high nibbles, with Q5's and
- * Q6's bit planes added. */
+ * Q6's high bits added. */
 SD_INLINE void octet_codes(const sd_mat *m, int kind, int64_t p, int64_t o, q64 *lo, q64 *hi) {
     const uint8_t *w = (const uint8_t *)m->w;
     int64_t K = m->k;
@@ -575,16 +598,8 @@ SD_INLINE void octet_codes(const sd_mat *m, int kind, int64_t p, int64_t o, q64 
     q64 b = q_load(w + (p * (K / 8) + o) * 64);
     *lo = q_lo(b);
     *hi = q_hi(b);
-    if (kind == KIND_Q5 || kind == KIND_Q6) { /* one or two bit planes */
-        const int planes = kind == KIND_Q6 ? 2 : 1;
-        const uint8_t *h = m->hbits + (p * (K / 8) + o) * 16 * planes;
-        *lo = q_high(*lo, h, 16);
-        *hi = q_high(*hi, h + 8, 16);
-        if (planes == 2) {
-            *lo = q_high(*lo, h + 16, 32);
-            *hi = q_high(*hi, h + 24, 32);
-        }
-    }
+    if (kind == KIND_Q5) q_high5(lo, hi, m->hbits + (p * (K / 8) + o) * 16);
+    if (kind == KIND_Q6) q_high6(lo, hi, m->hbits + (p * (K / 8) + o) * 32);
 }
 
 /* A row's activation codes for octet o: inputs 8o..8o+3 in xa, 8o+4..8o+7 in xb. */

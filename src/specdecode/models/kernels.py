@@ -398,13 +398,14 @@ def available() -> bool:
 
 
 def bit_planes_pay() -> bool:
-    """Whether 5- and 6-bit codes (GGUF's Q5_K, Q6_K, ...) are held as 4-bit panels plus bit
-    planes (pack_q5, pack_q6: 0.63 / 0.75 bytes a weight) rather than as bytes (pack_q8: 1).
-    Both hold the same codes and give the same bits. With AVX-512's mask registers a plane
-    costs one instruction per 64 codes; AVX2 has none, and spreading the bits out cost more
-    than the bytes save (a Q6_K matrix's one-row product 2.2x slower than as bytes, on a Zen 4
-    with AVX-512 hidden: docs/measurements/2026-12-07-avx2-a8.md)."""
-    return (path_name() or "").startswith("avx512")
+    """Whether 5- and 6-bit codes (GGUF's Q5_0, Q5_K, Q6_K, ...) are held as 4-bit panels plus
+    their high bits (pack_q5, pack_q6: 0.63 / 0.75 bytes a weight) rather than as bytes
+    (pack_q8: 1). Both hold the same codes and give the same bits. The high bits are laid out
+    so that a vector of them costs a shift, a mask and an or (AVX-512 and AVX2 alike); on
+    AVX2 the fewer bytes then pay where a product is bound by memory (one to two rows) and
+    cost up to a tenth at nine (docs/measurements/2026-12-07-high-bits.md). The scalar build,
+    a fallback, keeps bytes."""
+    return (path_name() or "scalar") != "scalar"
 
 
 def _lib() -> ctypes.CDLL:
@@ -631,38 +632,63 @@ def pack_q5(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
             bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP,
             kscales: KScales | None = None) -> Panels:
     """5-bit codes 0..31 for the a8 products: the low four bits as pack_q4 lays them out, the
-    fifth in a bit plane (16 bytes per octet of inputs and panel: bit h*64 + c*4 + j is input
-    8i + 4h + j of column c)."""
+    fifth as _high_bits packs them (16 bytes per octet of inputs and panel)."""
     if codes.min() < 0 or codes.max() > 31:
         raise ValueError("5-bit codes must lie in 0..31")
     low = pack_q4(codes & 0xF, scales, zeros, bias, offset=offset, group=group,
                   kscales=kscales)
-    return dataclasses.replace(low, kind=KIND_Q5, hbits=_bit_plane(codes, 4))
+    return dataclasses.replace(low, kind=KIND_Q5, hbits=_high_bits(codes, 5))
 
 
 def pack_q6(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
             bias: torch.Tensor | None = None, offset: int = 0, group: int = GROUP,
             kscales: KScales | None = None) -> Panels:
     """6-bit codes 0..63 for the a8 products (GGUF's Q6_K): the low four bits as pack_q4 lays
-    them out, the fifth and the sixth in two bit planes as pack_q5's (32 bytes per octet of
-    inputs and panel: the fifth bits' 16, then the sixth bits'). The products are those of
-    pack_q8 on the same codes, bit for bit (the same integer sums), from 0.75 bytes a weight."""
+    them out, the fifth and sixth as _high_bits packs them (32 bytes per octet of inputs and
+    panel). The products are those of pack_q8 on the same codes, bit for bit (the same integer
+    sums), from 0.75 bytes a weight."""
     if codes.min() < 0 or codes.max() > 63:
         raise ValueError("6-bit codes must lie in 0..63")
     low = pack_q4(codes & 0xF, scales, zeros, bias, offset=offset, group=group,
                   kscales=kscales)
-    planes = torch.cat([_bit_plane(codes, 4), _bit_plane(codes, 5)], dim=-1).contiguous()
-    return dataclasses.replace(low, kind=KIND_Q6, hbits=planes)
+    return dataclasses.replace(low, kind=KIND_Q6, hbits=_high_bits(codes, 6))
 
 
-def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
-    """(P, k / 8, 16) bytes: for octet i of each panel, bit h*64 + c*4 + j is bit `bit` of
-    input 8i + 4h + j of column c."""
-    q = _quads((codes >> bit) & 1)  # (P, k / 4, 16, 4) of 0/1: quad 2i + h of octet i
-    bits = q.reshape(q.shape[0], -1, 2, PANEL * 4)  # (P, k / 8, h, c * 4 + j)
-    weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 1, 8)
-    plane = (bits.view(*bits.shape[:3], 8, 8).to(torch.int32) * weights).sum(-1)
-    return plane.to(torch.uint8).reshape(q.shape[0], -1, 16).contiguous()
+# kernels.c's Q5 layout: the fifth bit of element e of vector t is bit Q5_BIT[t][e // 16] of
+# byte e % 16 (one variable shift a vector lands each bit on bit 4)
+Q5_BIT = ((4, 5), (6, 7), (0, 1), (2, 3))
+
+
+def _vectors(q: torch.Tensor) -> torch.Tensor:
+    """(P, k / 4, 16, 4) quads as kernels.c's octet vectors (P, k / 8, 4, 32): V_t, t = 2h + s,
+    is quad 2i + h's columns 8s..8s+7 (element e: column 8s + e // 4, input j = e % 4)."""
+    return q.reshape(q.shape[0], -1, 4, 32)
+
+
+def _high_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The bits above the low four of 5- or 6-bit codes, kernels.c's way: per octet i of each
+    panel, Q6 32 bytes (byte e: bits 4-5 of V_t's element e at bits 2t..2t+1), Q5 16 bytes
+    (the fifth bit of V_t's element e at bit Q5_BIT[t][e // 16] of byte e % 16)."""
+    v = _vectors(_quads(codes >> 4)).to(torch.int32)  # (P, k / 8, 4, 32)
+    if bits == 6:
+        out = sum(v[:, :, t] << (2 * t) for t in range(4))
+    else:
+        lanes = v.view(*v.shape[:3], 2, 16)  # (P, k / 8, t, e // 16, e % 16)
+        out = sum(lanes[:, :, t, s] << Q5_BIT[t][s] for t in range(4) for s in range(2))
+    assert isinstance(out, torch.Tensor)
+    return out.to(torch.uint8).contiguous()
+
+
+def _high_of(p: Panels) -> torch.Tensor:
+    """The inverse of _high_bits: (P, k / 4, 16, 4) quads of the bits above the low four."""
+    assert p.hbits is not None
+    h = p.hbits.to(torch.int32)
+    if p.kind == KIND_Q6:
+        v = torch.stack([(h >> (2 * t)) & 3 for t in range(4)], dim=2)  # (P, k / 8, 4, 32)
+    else:
+        v = torch.stack([torch.cat([(h >> Q5_BIT[t][s]) & 1 for s in range(2)], dim=-1)
+                         for t in range(4)], dim=2)
+    return v.reshape(v.shape[0], -1, PANEL, 4).to(torch.uint8)
 
 
 def _per_group(t: torch.Tensor | None, p: Panels) -> torch.Tensor | None:
@@ -714,13 +740,7 @@ def codes_of(p: Panels) -> torch.Tensor:
         if p.kind in (KIND_Q4, KIND_Q5, KIND_Q6):
             q = torch.stack([q & 0xF, q >> 4], dim=2).reshape(q.shape[0], p.k // 4, PANEL, 4)
         if p.kind in (KIND_Q5, KIND_Q6):
-            assert p.hbits is not None
-            planes = p.hbits.view(q.shape[0], p.k // 8, -1, 16)  # (P, k / 8, plane, 16 bytes)
-            for plane in range(planes.shape[2]):
-                bits = (planes[:, :, plane, :, None].to(torch.int32)
-                        >> torch.arange(8, dtype=torch.int32)) & 1  # (P, k / 8, 16 bytes, 8)
-                q = q | (bits.reshape(q.shape[0], p.k // 4, PANEL, 4) << (4 + plane)).to(
-                    torch.uint8)
+            q = q | (_high_of(p) << 4)
         return q.transpose(1, 2).reshape(-1, p.k)[: p.n]
     else:
         flat = p.w
