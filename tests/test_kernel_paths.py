@@ -327,12 +327,13 @@ def test_q6_panels_compute_the_byte_panels_bits_from_fewer_bytes() -> None:
     padded = -(-N // kernels.PANEL) * kernels.PANEL  # columns in whole panels
     assert q6.scale is not None
     assert q6.nbytes - q6.scale.numel() * 4 == padded * K * 3 // 4 < q8.w.numel() == padded * K
-    for rows in (1, 4, 5, 9):
+    for rows in (1, 4, 5, 9, 16, 70):  # from 16 rows the panels are decoded to bytes once
         assert torch.equal(kernels.matmul(X[:rows], q6), kernels.matmul(X[:rows], q8)), rows
     assert q6.hbits is not None
     h = q6.hbits
     swapped = dataclasses.replace(q6, hbits=(h & 0xC3) | ((h & 0x0C) << 2) | ((h & 0x30) >> 2))
     assert not torch.equal(kernels.matmul(X[:4], swapped), kernels.matmul(X[:4], q8))
+    assert not torch.equal(kernels.matmul(X[:16], swapped), kernels.matmul(X[:16], q8))
 
 
 def test_q5_high_bits_round_trip_and_a_misplaced_bit_is_caught() -> None:
@@ -347,7 +348,7 @@ def test_q5_high_bits_round_trip_and_a_misplaced_bit_is_caught() -> None:
     q5 = kernels.pack_q5(codes, s32, None, offset=16)
     q8 = kernels.pack_q8(codes, s32, None, offset=16)
     assert torch.equal(kernels.codes_of(q5), codes.to(torch.uint8))
-    for rows in (1, 2, 4, 5, 9):
+    for rows in (1, 2, 4, 5, 9, 16, 70):
         assert torch.equal(kernels.matmul(X[:rows], q5), kernels.matmul(X[:rows], q8)), rows
     assert q5.hbits is not None
     h = q5.hbits

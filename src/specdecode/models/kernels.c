@@ -80,6 +80,7 @@
 #define SD_ABI 5           /* bumped whenever a struct or a signature below changes */
 #define PANEL 16           /* output columns per packed panel */
 #define CHUNK 64           /* rows whose inputs stay in cache while every panel passes over them */
+#define DECODE_ONCE_ROWS 16 /* rows from which a 5- or 6-bit panel is decoded to bytes once */
 #define QBLOCK 32          /* inputs per int8 scale of the a8 kinds' activations */
 #define MAX_HEAD_DIM 512   /* the per-row RoPE buffer */
 #define SD_ENOMEM 1
@@ -313,6 +314,7 @@ SD_INLINE i16v i_dot4(i16v acc, __m512i w, int32_t x4, int signed_w) {
 }
 typedef __m512i q64; /* 64 codes, as the other builds name them */
 SD_INLINE __m512i q_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+SD_INLINE void q_store(uint8_t *p, __m512i v) { _mm512_storeu_si512((void *)p, v); }
 /* An octet's high bits (the layout in sd_mat's comment): lo = V0|V1, hi = V2|V3 */
 SD_INLINE void q_high5(__m512i *lo, __m512i *hi, const uint8_t *h) {
     __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)h)), m = _mm512_set1_epi8(0x10);
@@ -398,6 +400,10 @@ SD_INLINE i16v i_octet(i16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
 SD_INLINE q64 q_load(const uint8_t *p) {
     q64 r = {_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
     return r;
+}
+SD_INLINE void q_store(uint8_t *p, q64 v) {
+    _mm256_storeu_si256((__m256i *)p, v.a);
+    _mm256_storeu_si256((__m256i *)(p + 32), v.b);
 }
 SD_INLINE q64 q_lo(q64 b) {
     __m256i f = _mm256_set1_epi8(0xf);
@@ -502,6 +508,7 @@ SD_INLINE i16v i_dot4(i16v acc, q64 w, int32_t x4, int signed_w) {
     return acc;
 }
 SD_INLINE q64 q_load(const uint8_t *p) { q64 r; memcpy(r.b, p, 64); return r; }
+SD_INLINE void q_store(uint8_t *p, q64 v) { memcpy(p, v.b, 64); }
 SD_INLINE q64 q_lo(q64 b) { for (int i = 0; i < 64; i++) b.b[i] &= 0xf; return b; }
 SD_INLINE q64 q_hi(q64 b) { for (int i = 0; i < 64; i++) b.b[i] >>= 4; return b; }
 /* An octet's high bits (the layout in sd_mat's comment): byte i of lo / hi is element i % 32
@@ -865,8 +872,67 @@ SD_INLINE void qchunk_of_kind(const sd_qrows *qr, int64_t m0, const sd_mat *m, i
     }
 }
 
+SD_INLINE void decode_panels(const sd_mat *m, int kind, int64_t p, int np, uint8_t *buf) {
+    for (int j = 0; j < np; j++)
+        for (int64_t o = 0; o < m->k / 8; o++) {
+            q64 lo, hi;
+            octet_codes(m, kind, p + j, o, &lo, &hi);
+            q_store(buf + (j * (m->k / 4) + 2 * o) * 64, lo);
+            q_store(buf + (j * (m->k / 4) + 2 * o + 1) * 64, hi);
+        }
+}
+
+/* Panels p..p+np-1 of a Q5 or Q6 matrix decoded to bytes, Q8's layout (the same codes), in a
+ * buffer of the calling thread (kept for its next call: one per thread, at most the largest
+ * panel group's K * 16 * np bytes); NULL where it cannot be allocated. */
+static const uint8_t *decoded_panels(const sd_mat *m, int64_t p, int np) {
+    static __thread uint8_t *buf;
+    static __thread size_t cap;
+    size_t need = (size_t)m->k * PANEL * (size_t)np;
+    if (need > cap) {
+        uint8_t *grown = (uint8_t *)realloc(buf, need);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = need;
+    }
+    if (m->kind == KIND_Q6) decode_panels(m, KIND_Q6, p, np, buf);
+    else decode_panels(m, KIND_Q5, p, np, buf);
+    return buf;
+}
+
+/* m seen from panel p on, its codes at w as bytes (Q8) */
+static sd_mat byte_view(const sd_mat *m, int64_t p, const uint8_t *w) {
+    sd_mat d = *m;
+    d.w = w;
+    d.kind = KIND_Q8;
+    d.hbits = NULL;
+    if (m->kblock) {
+        int64_t per = m->kblock >> group_shift(m->group);
+        int64_t bytes = (m->zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
+        d.scale = (const float *)((const uint8_t *)m->scale + p * (m->k / m->kblock) * bytes);
+        d.zero = m->zero ? d.scale : NULL;
+    } else {
+        int64_t at = p * (m->k >> group_shift(m->group)) * PANEL;
+        d.scale = m->scale + at;
+        d.zero = m->zero ? m->zero + at : NULL;
+    }
+    return d;
+}
+
 static void qpanel_chunk(const sd_qrows *qr, int64_t m0, const sd_mat *m, int64_t p, int np,
                          int64_t M, float out[][CHUNK][PANEL]) {
+    /* Many row blocks over 5- or 6-bit panels (prompts) decode the codes once, not once a
+     * block: the byte panels give the same integer sums, hence the same bits (tests: pack_q5 /
+     * pack_q6 against pack_q8 at every width). A decode on its own costs about what three
+     * blocks' decodes cost inside their loops (there it overlaps the arithmetic), so narrower
+     * products decode in the loop. */
+    const uint8_t *bytes = (m->kind == KIND_Q5 || m->kind == KIND_Q6) && M >= DECODE_ONCE_ROWS
+                               ? decoded_panels(m, p, np) : NULL;
+    if (bytes) {
+        sd_mat d = byte_view(m, p, bytes);
+        qchunk_of_kind(qr, m0, &d, KIND_Q8, 0, np, M, out);
+        return;
+    }
     if (m->kind == KIND_Q8) qchunk_of_kind(qr, m0, m, KIND_Q8, p, np, M, out);
     else if (m->kind == KIND_Q5) qchunk_of_kind(qr, m0, m, KIND_Q5, p, np, M, out);
     else if (m->kind == KIND_Q6) qchunk_of_kind(qr, m0, m, KIND_Q6, p, np, M, out);
