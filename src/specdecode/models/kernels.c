@@ -223,6 +223,8 @@ typedef struct {
     float *d;     /* (M, K / 32) */
     int32_t *s16; /* (M, K / 16) */
     float *xs;    /* (M, K / group) or NULL */
+    int32_t *gp;  /* K-quant matrices: (M, K / group / 2) pairs of groups' sums of codes as
+                     int16 halves (low: group 2i), ready to broadcast (each fits: <= 32 x 127) */
 } sd_qrows;
 
 static void quantize_row(const float *x, int64_t K, int group, int qb, int8_t *q, float *d,
@@ -254,6 +256,15 @@ static void quantize_row(const float *x, int64_t K, int group, int qb, int8_t *q
         }
 }
 
+/* A row's groups' sums of codes in pairs (sd_qrows.gp), from its sums per 16 */
+static void group_pairs(const int32_t *s16, int64_t K, int group, int32_t *gp) {
+    for (int64_t i = 0; i < K / group / 2; i++) {
+        int32_t g0 = group == 16 ? s16[2 * i] : s16[4 * i] + s16[4 * i + 1];
+        int32_t g1 = group == 16 ? s16[2 * i + 1] : s16[4 * i + 2] + s16[4 * i + 3];
+        gp[i] = (int32_t)(((uint32_t)g0 & 0xffffu) | ((uint32_t)g1 << 16));
+    }
+}
+
 /* Inputs per activation scale of a matrix: QBLOCK, or a K-quant's super-block of 256 (its sums
  * are then exact integers across the super-block, as llama.cpp's Q8_K activations make them) */
 SD_INLINE int act_block(const sd_mat *m) { return m->kblock ? 256 : QBLOCK; }
@@ -262,8 +273,11 @@ static void quantize_rows(const float *x, int64_t M, const sd_mat *m, const sd_q
     int64_t K = m->k;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; r++)
+    {
         quantize_row(x + r * K, K, m->group, act_block(m), qr->q + r * K, qr->d + r * (K / QBLOCK),
                      qr->s16 + r * (K / 16), qr->xs ? qr->xs + r * (K / m->group) : NULL);
+        if (m->kblock) group_pairs(qr->s16 + r * (K / 16), K, m->group, qr->gp + r * (K / m->group / 2));
+    }
 #ifdef SD_BROKEN_ROW_COUPLED
     /* A deliberately broken variant for the tests (never built otherwise): one activation
      * scale per block shared by every row of the call, as a per-tensor dynamic quantizer does:
@@ -478,6 +492,20 @@ SD_INLINE i16v k_isc(const int8_t *sc) {
     i16v r = {_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))};
     return r;
 }
+/* sum over groups t < per (even) of tab[t][c] x (group t's sum of codes), exact in int32: two
+ * groups a vpmaddwd, their int8 entries widened to int16 pairs, the sums' pairs gp broadcast */
+#define SD_KTABSUM 1
+SD_INLINE i16v k_tabsum(const int8_t *tab, int per, const int32_t *gp) {
+    i16v r = i_zero();
+    for (int t = 0; t < per; t += 2) {
+        __m128i x0 = _mm_loadu_si128((const __m128i *)(tab + t * PANEL));
+        __m128i x1 = _mm_loadu_si128((const __m128i *)(tab + (t + 1) * PANEL));
+        __m256i gv = _mm256_set1_epi32(gp[t / 2]);
+        r.a = _mm256_add_epi32(r.a, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x0, x1)), gv));
+        r.b = _mm256_add_epi32(r.b, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x0, x1)), gv));
+    }
+    return r;
+}
 SD_INLINE v16 i_kfold(i16v sum, i16v msum, float dx, v16 d, v16 dmin, int has_zero, v16 y) {
     __m256 x = _mm256_set1_ps(dx);
     y.a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum.a), x), d.a, y.a);
@@ -570,6 +598,17 @@ SD_INLINE i16v i_octet(i16v acc, q64 lo, q64 hi, int32_t xa, int32_t xb) {
 typedef i16v kscv;
 SD_INLINE kscv k_scv(const int8_t *sc) { return k_isc(sc); }
 SD_INLINE i16v p_widen_sc(p16v acc, kscv s) { return i_muladd(i_zero(), acc, s); }
+#endif
+
+#ifndef SD_KTABSUM
+SD_INLINE i16v k_tabsum(const int8_t *tab, int per, const int32_t *gp) {
+    i16v r = i_zero();
+    for (int t = 0; t < per; t++) {
+        int32_t g = (int32_t)(int16_t)(uint16_t)((uint32_t)gp[t / 2] >> (16 * (t % 2)));
+        r = i_muladd(r, k_isc(tab + t * PANEL), i_set1(g));
+    }
+    return r;
+}
 #endif
 
 /* The correction that turns a group's raw dot products into sum (code - offset) * q, and
@@ -789,24 +828,17 @@ SD_INLINE void qpanel_rows_k(const sd_qrows *qr, int64_t r0, const sd_mat *m, in
         }
         for (int r = 0; r < R; r++) {
             int64_t row = r0 + r;
-            const int32_t *s16 = qr->s16 + row * (K / 16);
             float dx = qr->d[row * (K / QBLOCK) + sb];
             for (int j = 0; j < NP; j++) {
                 const float *d = (const float *)base[j];
                 /* the offset's share, sum over groups of sc x offset x (the group's sum of
                  * codes), and the minimums' */
-                i16v msum = i_zero(), osum = i_zero();
-                for (int t = 0; t < per && (has_zero || m->offset); t++) {
-                    int64_t g = sb * per + t;
-                    int32_t gsum = G == 16 ? s16[g] : s16[2 * g] + s16[2 * g + 1];
-                    if (m->offset)
-                        osum = i_muladd(osum, k_isc((const int8_t *)(base[j] + sc_at) + t * PANEL),
-                                        i_set1(m->offset * gsum));
-                    if (has_zero)
-                        msum = i_muladd(msum, k_isc((const int8_t *)(base[j] + mn_at) + t * PANEL),
-                                        i_set1(gsum));
-                }
-                i16v net = m->offset ? i_sub(sum[r][j], osum) : sum[r][j];
+                const int32_t *gp = qr->gp + row * (K / G / 2) + sb * per / 2;
+                i16v msum = has_zero ? k_tabsum((const int8_t *)(base[j] + mn_at), per, gp) : i_zero();
+                i16v net = sum[r][j];
+                if (m->offset) /* offset x (sum over groups of sc x the group's sum of codes) */
+                    net = i_sub(net, i_muladd(i_zero(), k_tabsum((const int8_t *)(base[j] + sc_at), per, gp),
+                                              i_set1(m->offset)));
                 yv16 dv = y_load(d), dmin = has_zero ? y_load(d + PANEL) : y_zero();
                 float *yp = out[j][orow + r];
                 if (yreg) y[r][j] = i_kfold(net, msum, dx, dv, dmin, has_zero, y[r][j]);
@@ -1012,6 +1044,7 @@ static void scratch_free(sd_scratch *s) {
     free(s->qr.q);
     free(s->qr.d);
     free(s->qr.s16);
+    free(s->qr.gp);
     free(s->qr.xs);
     memset(s, 0, sizeof *s);
 }
@@ -1026,8 +1059,9 @@ static int scratch_alloc(sd_scratch *s, int64_t M, int64_t kmax, int64_t gmin) {
     s->qr.q = (int8_t *)malloc(rows * k + 64);
     s->qr.d = (float *)malloc(sizeof(float) * (rows * k / QBLOCK + 1));
     s->qr.s16 = (int32_t *)malloc(sizeof(int32_t) * (rows * k / 16 + 1));
+    s->qr.gp = (int32_t *)malloc(sizeof(int32_t) * (rows * k / 32 + 1));
     s->qr.xs = (float *)malloc(sizeof(float) * (rows * k / (size_t)gmin + 1));
-    if (!s->xr || !s->xs || !s->qr.q || !s->qr.d || !s->qr.s16 || !s->qr.xs) {
+    if (!s->xr || !s->xs || !s->qr.q || !s->qr.d || !s->qr.s16 || !s->qr.xs || !s->qr.gp) {
         scratch_free(s);
         return SD_ENOMEM;
     }
