@@ -269,11 +269,16 @@ static void group_pairs(const int32_t *s16, int64_t K, int group, int32_t *gp) {
  * are then exact integers across the super-block, as llama.cpp's Q8_K activations make them) */
 SD_INLINE int act_block(const sd_mat *m) { return m->kblock ? 256 : QBLOCK; }
 
+/* Bytes of a K-quant scale table per panel and super-block (sd_mat's comment) */
+SD_INLINE int64_t ktable_bytes(const sd_mat *m) {
+    int64_t per = m->kblock >> group_shift(m->group);
+    return (m->zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
+}
+
 static void quantize_rows(const float *x, int64_t M, const sd_mat *m, const sd_qrows *qr) {
     int64_t K = m->k;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < M; r++)
-    {
+    for (int64_t r = 0; r < M; r++) {
         quantize_row(x + r * K, K, m->group, act_block(m), qr->q + r * K, qr->d + r * (K / QBLOCK),
                      qr->s16 + r * (K / 16), qr->xs ? qr->xs + r * (K / m->group) : NULL);
         if (m->kblock) group_pairs(qr->s16 + r * (K / 16), K, m->group, qr->gp + r * (K / m->group / 2));
@@ -803,7 +808,7 @@ SD_INLINE void qpanel_rows_k(const sd_qrows *qr, int64_t r0, const sd_mat *m, in
     const int per = 256 >> group_shift(G);
     const int yreg = R * NP <= YREG_MAX;
     const int has_zero = m->zero != NULL;
-    const int64_t bytes = (has_zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
+    const int64_t bytes = ktable_bytes(m);
     yv16 y[QROWS_MAX][QNP_MAX];
     for (int j = 0; j < NP; j++)
         for (int r = 0; r < R; r++) {
@@ -831,8 +836,7 @@ SD_INLINE void qpanel_rows_k(const sd_qrows *qr, int64_t r0, const sd_mat *m, in
             float dx = qr->d[row * (K / QBLOCK) + sb];
             for (int j = 0; j < NP; j++) {
                 const float *d = (const float *)base[j];
-                /* the offset's share, sum over groups of sc x offset x (the group's sum of
-                 * codes), and the minimums' */
+                /* the minimums' share: sum over groups of m x (the group's sum of codes) */
                 const int32_t *gp = qr->gp + row * (K / G / 2) + sb * per / 2;
                 i16v msum = has_zero ? k_tabsum((const int8_t *)(base[j] + mn_at), per, gp) : i_zero();
                 i16v net = sum[r][j];
@@ -939,9 +943,7 @@ static sd_mat byte_view(const sd_mat *m, int64_t p, const uint8_t *w) {
     d.kind = KIND_Q8;
     d.hbits = NULL;
     if (m->kblock) {
-        int64_t per = m->kblock >> group_shift(m->group);
-        int64_t bytes = (m->zero ? 2 : 1) * (PANEL * 4 + per * PANEL);
-        d.scale = (const float *)((const uint8_t *)m->scale + p * (m->k / m->kblock) * bytes);
+        d.scale = (const float *)((const uint8_t *)m->scale + p * (m->k / m->kblock) * ktable_bytes(m));
         d.zero = m->zero ? d.scale : NULL;
     } else {
         int64_t at = p * (m->k >> group_shift(m->group)) * PANEL;
